@@ -1,0 +1,40 @@
+# kvbench: `make run` (main job on the packaged defaults) and `make test` (whole suite) on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvbench-installed
+
+.PHONY: install assets run test test-unit test-integration bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to 2.13.0 in pyproject.toml: pip takes the local CPU wheel, never a CUDA build
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+assets: install
+	$(PY) -m kvbench assets --model smollm2_135m --data sotu
+
+run: assets
+	$(PY) -m kvbench run +compressor=kivi
+
+test: assets
+	$(PY) -m pytest -q
+
+test-unit: install
+	$(PY) -m pytest -q -m "not integration"
+
+test-integration: assets
+	$(PY) -m pytest -q -m integration
+
+bench: assets
+	$(PY) scripts/bench_compressors.py
+
+lint: install
+	$(PY) -m ruff check kvbench compressors scripts tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

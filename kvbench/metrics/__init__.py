@@ -1,0 +1,1 @@
+"""Measurements: rate (from bitstream bit counts), distortion, task loss and the entropy bound."""

@@ -1,0 +1,58 @@
+"""Distortion of a reconstructed cache, per layer and K/V, accumulated over sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DistortionAccumulator:
+    """Sums squared error and energy per (layer, kind) so that pooled ratios are exact over sequences."""
+
+    err: dict[str, torch.Tensor] = field(default_factory=dict)  # kind -> (L,) float64
+    energy: dict[str, torch.Tensor] = field(default_factory=dict)
+    cos_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    max_abs: dict[str, torch.Tensor] = field(default_factory=dict)
+    vectors: dict[str, int] = field(default_factory=dict)  # kind -> vectors per layer
+
+    def add(self, kind: str, x: torch.Tensor, x_hat: torch.Tensor) -> None:
+        """``x``, ``x_hat``: ``(L, H, T, D)``."""
+        x, x_hat = x.double(), x_hat.double()
+        diff = x - x_hat
+        L = x.shape[0]
+        err = diff.pow(2).reshape(L, -1).sum(1)  # (L,)
+        energy = x.pow(2).reshape(L, -1).sum(1)  # (L,)
+        cos = torch.nn.functional.cosine_similarity(x, x_hat, dim=-1, eps=1e-12).reshape(L, -1).sum(1)  # (L,)
+        mx = diff.abs().reshape(L, -1).amax(1) if diff.numel() else torch.zeros(L, dtype=torch.float64)
+        if kind in self.err:
+            self.err[kind] += err
+            self.energy[kind] += energy
+            self.cos_sum[kind] += cos
+            self.max_abs[kind] = torch.maximum(self.max_abs[kind], mx)
+            self.vectors[kind] += x[0].numel() // x.shape[-1]
+        else:
+            self.err[kind], self.energy[kind], self.cos_sum[kind], self.max_abs[kind] = err, energy, cos, mx
+            self.vectors[kind] = x[0].numel() // x.shape[-1]
+
+    def rel_mse(self, kind: str) -> float:
+        return float(self.err[kind].sum() / self.energy[kind].sum())
+
+    def cosine(self, kind: str) -> float:
+        return float(self.cos_sum[kind].sum() / (self.vectors[kind] * len(self.cos_sum[kind])))
+
+    def rows(self) -> list[dict]:
+        out = []
+        for kind in self.err:
+            for layer in range(len(self.err[kind])):
+                out.append({
+                    "layer": layer,
+                    "kind": kind,
+                    "sq_err": float(self.err[kind][layer]),
+                    "energy": float(self.energy[kind][layer]),
+                    "rel_mse": float(self.err[kind][layer] / self.energy[kind][layer]),
+                    "cosine": float(self.cos_sum[kind][layer] / self.vectors[kind]),
+                    "max_abs_err": float(self.max_abs[kind][layer]),
+                })
+        return out

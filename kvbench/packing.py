@@ -1,0 +1,83 @@
+"""Turning tensors into real bytes and back, vectorised.
+
+``pack_codes`` stores n b-bit codes in exactly ceil(n*b/8) bytes: eight codes make b whole bytes, so each
+group of eight is assembled in one uint64 lane and its low b bytes are kept.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_NUMPY_OF = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> tuple[bytes, int]:
+    """Pack integer codes in ``[0, 2**bits)`` densely. Returns ``(bytes, exact_bit_count)``."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    flat = codes.reshape(-1).to(torch.uint8).numpy()
+    n = flat.size
+    if n == 0:
+        return b"", 0
+    groups = -(-n // 8)
+    lanes = np.zeros(groups * 8, dtype=np.uint64)
+    lanes[:n] = flat
+    lanes = lanes.reshape(groups, 8)  # (G, 8)
+    word = np.zeros(groups, dtype=np.uint64)
+    for i in range(8):
+        word |= lanes[:, i] << np.uint64(bits * i)
+    raw = word.astype("<u8").view(np.uint8).reshape(groups, 8)[:, :bits]  # (G, bits)
+    nbits = n * bits
+    return raw.tobytes()[: -(-nbits // 8)], nbits
+
+
+def unpack_codes(raw: bytes, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``n`` codes as a uint8 tensor."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    groups = -(-n // 8)
+    if len(raw) != -(-n * bits // 8):
+        raise ValueError(f"{len(raw)} bytes cannot hold exactly {n} codes of {bits} bits")
+    buf = np.zeros(groups * bits, dtype=np.uint8)
+    buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    padded = np.zeros((groups, 8), dtype=np.uint8)
+    padded[:, :bits] = buf.reshape(groups, bits)
+    word = padded.view("<u8").reshape(groups)
+    mask = np.uint64((1 << bits) - 1)
+    out = np.empty((groups, 8), dtype=np.uint8)
+    for i in range(8):
+        out[:, i] = (word >> np.uint64(bits * i)) & mask
+    return torch.from_numpy(out.reshape(-1)[:n].copy())
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a tensor (bfloat16 goes through its int16 bit pattern)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.dtype not in _NUMPY_OF:
+        raise TypeError(f"cannot serialise dtype {t.dtype}")
+    return t.numpy().astype(np.dtype(_NUMPY_OF[t.dtype]).newbyteorder("<"), copy=False).tobytes()
+
+
+def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_bytes`."""
+    store = torch.int16 if dtype == torch.bfloat16 else dtype
+    np_dtype = np.dtype(_NUMPY_OF[store]).newbyteorder("<")
+    expected = int(np.prod(shape)) * np_dtype.itemsize
+    if len(raw) != expected:
+        raise ValueError(f"{len(raw)} bytes for a {dtype} tensor of shape {tuple(shape)} (needs {expected})")
+    arr = np.frombuffer(raw, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
+    t = torch.from_numpy(arr.copy()).reshape(shape)
+    return t.view(dtype) if dtype == torch.bfloat16 else t

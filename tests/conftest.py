@@ -1,0 +1,87 @@
+"""Shared fixtures. Unit tests build a tiny random Llama in-process: no download, seconds to run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.kv import KVSequence
+
+
+class CharTokenizer:
+    """Bytes as token ids: enough of a tokenizer for the harness's sampling and capture code."""
+
+    bos_token_id = None
+    eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return type("Enc", (), {"input_ids": [b % 128 for b in text.encode("utf-8")]})()
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, head_dim: int = 16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return CharTokenizer()
+
+
+@pytest.fixture()
+def random_kv():
+    def make(L=2, H=2, T=96, D=16, dtype=torch.float16, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        k = (torch.randn(L, H, T, D, generator=g) * 2 + torch.linspace(-3, 3, D)).to(dtype)  # channel outliers
+        v = torch.randn(L, H, T, D, generator=g).to(dtype)
+        return KVSequence(k, v, torch.randint(0, 128, (T,), generator=g))
+
+    return make
+
+
+@pytest.fixture()
+def text_file(tmp_path):
+    words = ["the", "nation", "shall", "endure", "and", "the", "people", "shall", "prosper", "under", "law", "and", "liberty"]
+    g = torch.Generator().manual_seed(1)
+    text = " ".join(words[i] for i in torch.randint(0, len(words), (6000,), generator=g).tolist())
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture()
+def tiny_cfg(tmp_path, text_file, monkeypatch):
+    """A run config for the tiny model on a small local text file."""
+    from kvbench.config import compose
+
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
+
+    def make(*overrides: str):
+        cfg = compose([
+            "model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}",
+            "dataset.seq_len=64", "dataset.eval_len=16", "dataset.n_sequences=2", "dataset.n_calib=1",
+            f"paths.results={tmp_path / 'results'}", *overrides,
+        ])
+        OmegaConf.set_struct(cfg, False)
+        return cfg
+
+    return make
+
+
+@pytest.fixture()
+def tiny_handle(tiny_model, tokenizer):
+    from kvbench.models import ModelHandle
+
+    return ModelHandle.from_loaded(tiny_model, tokenizer, OmegaConf.create({"name": "hf", "source": "hf", "path": "unused"}))

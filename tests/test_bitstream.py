@@ -1,0 +1,60 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+
+
+def test_parts_sum_to_num_bits_and_fit_in_data():
+    bs = Bitstream.pack("demo", {"a": b"\x01\x02\x03", "b": (b"\xff", 3), "empty": b""})
+    assert sum(bs.parts.values()) == bs.num_bits
+    assert len(bs.data) * 8 >= bs.num_bits
+    assert bs.parts["b"] == 3 and bs.parts["a"] == 24 and bs.parts["frame"] > 0
+    assert bs.sections("demo") == {"a": b"\x01\x02\x03", "b": b"\xff", "empty": b""}
+
+
+def test_from_bytes_rebuilds_the_same_accounting():
+    bs = Bitstream.pack("demo", {"x": (b"\x0f\x01", 9)})
+    again = Bitstream.from_bytes(bs.data)
+    assert (again.num_bits, dict(again.parts), again.compressor) == (bs.num_bits, dict(bs.parts), "demo")
+
+
+@pytest.mark.parametrize("pos", [0, 3, 10, -5, -1])
+def test_any_flipped_byte_is_caught(pos):
+    data = bytearray(Bitstream.pack("demo", {"x": bytes(range(32))}).data)
+    data[pos] ^= 0x40
+    with pytest.raises(BitstreamError):
+        Bitstream.from_bytes(bytes(data)).sections()
+
+
+def test_truncated_and_foreign_streams_raise():
+    bs = Bitstream.pack("demo", {"x": b"abc"})
+    with pytest.raises(BitstreamError, match="magic|truncated|checksum"):
+        Bitstream.from_bytes(bs.data[:-3])
+    with pytest.raises(BitstreamError, match="not 'other'"):
+        bs.sections(expect="other")
+    with pytest.raises(BitstreamError, match="magic"):
+        Bitstream.from_bytes(b"hello world, not a stream")
+
+
+def test_bits_must_fit_the_section():
+    with pytest.raises(ValueError, match="do not fit"):
+        Bitstream.pack("demo", {"x": (b"\x00", 12)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 8), n=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_pack_codes_roundtrip_and_size(bits, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
+    raw, nbits = pack_codes(codes, bits)
+    assert nbits == n * bits and len(raw) == -(-n * bits // 8)
+    assert torch.equal(unpack_codes(raw, bits, n), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64])
+def test_tensor_bytes_roundtrip_is_exact(dtype):
+    t = (torch.randn(3, 5, 7) * 100).to(dtype)
+    assert torch.equal(tensor_from_bytes(tensor_to_bytes(t), dtype, (3, 5, 7)), t)

@@ -1,0 +1,103 @@
+"""Contract tests that every configured compressor must pass, plus identity and KIVI specifics."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.config import available, compose, make_compressor
+from kvbench.kv import Context
+
+ALL = available("compressor")
+
+
+def _instantiate(name):
+    return make_compressor(compose([f"+compressor={name}"]).compressor)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_config_instantiates(name):
+    comp = _instantiate(name)
+    assert comp.name, f"{name} has no registered name"
+    assert dataclasses.is_dataclass(comp)
+
+
+def _roundtrip_capable(comp):
+    return not comp.needs_model
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_roundtrip_shapes_accounting_and_checksum(name, random_kv):
+    comp = _instantiate(name)
+    if not _roundtrip_capable(comp):
+        pytest.skip(f"{name} needs a model; covered by its own tests")
+    kv = random_kv(T=160, D=64)
+    comp.fit([random_kv(T=160, D=64, seed=9)])
+    ctx = Context.for_kv(kv)
+    bs = comp.encode(kv, ctx)
+    assert sum(bs.parts.values()) == bs.num_bits
+    assert len(bs.data) * 8 >= bs.num_bits
+    out = comp.decode(Bitstream.from_bytes(bs.data), ctx)
+    assert out.shape == kv.shape and out.k.dtype == kv.k.dtype
+    if comp.lossless:
+        assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
+    bad = bytearray(bs.data)
+    bad[len(bad) // 2] ^= 0x01
+    with pytest.raises(BitstreamError):
+        comp.decode(Bitstream(bytes(bad), bs.num_bits, bs.parts), ctx)
+
+
+def test_missing_compressor_lists_the_available_names():
+    with pytest.raises(ValueError, match="identity.*kivi|kivi.*identity"):
+        make_compressor(None)
+
+
+def test_unknown_field_names_the_fields():
+    cfg = compose(["+compressor=kivi", "+compressor.bogus=3"])
+    with pytest.raises(ValueError, match="bogus.*fields are.*bits"):
+        make_compressor(cfg.compressor)
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.5, -1])
+def test_kivi_bad_bits_say_what_is_allowed(bits):
+    cfg = compose(["+compressor=kivi", f"compressor.bits={bits}"])
+    with pytest.raises(ValueError, match=r"kivi\.bits=.*(1 <= bits <= 8|whole number in \[1, 8\])"):
+        make_compressor(cfg.compressor)
+
+
+def test_kivi_error_shrinks_as_bits_grow(random_kv):
+    from compressors.kivi import KIVI
+
+    kv = random_kv(T=256, D=64)
+    ctx = Context.for_kv(kv)
+    errs = []
+    for b in (1, 2, 3, 4, 6, 8):
+        comp = KIVI(bits=b, group_size=32, residual=0)
+        out = comp.decode(comp.encode(kv, ctx), ctx)
+        errs.append(float((out.k.float() - kv.k.float()).pow(2).mean() + (out.v.float() - kv.v.float()).pow(2).mean()))
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+
+
+def test_kivi_charges_codes_scales_and_window(random_kv):
+    from compressors.kivi import KIVI
+
+    kv = random_kv(L=1, H=1, T=100, D=64)
+    bs = KIVI(bits=2, group_size=32, residual=20).encode(kv, Context.for_kv(kv))
+    # keys: 64 quantized tokens (2 whole groups of 32), 36 in 16 bit; values: 80 quantized, 20 in 16 bit
+    assert bs.parts["k.codes"] == 64 * 64 * 2
+    assert bs.parts["k.scale"] == bs.parts["k.zero"] == 2 * 64 * 16
+    assert bs.parts["k.fp16_window"] == 36 * 64 * 16
+    assert bs.parts["v.codes"] == 80 * 64 * 2
+    assert bs.parts["v.scale"] == 80 * 2 * 16
+    assert bs.parts["v.fp16_window"] == 20 * 64 * 16
+
+
+def test_kivi_window_is_exact(random_kv):
+    from compressors.kivi import KIVI
+
+    kv = random_kv(T=100, D=64)
+    ctx = Context.for_kv(kv)
+    out = KIVI(bits=2, residual=30).decode(KIVI(bits=2, residual=30).encode(kv, ctx), ctx)
+    assert torch.equal(out.v[:, :, -30:], kv.v[:, :, -30:])
+    assert not torch.equal(out.v[:, :, :70], kv.v[:, :, :70])

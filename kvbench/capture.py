@@ -111,13 +111,10 @@ def _decoder_layers(model: Any) -> list[Any]:
     return list(inner.layers)
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """log p(target_t) for each row of ``logits`` (T, V), chunked so a 262k vocabulary fits in memory."""
-    out = [
-        torch.log_softmax(logits[i : i + chunk].float(), dim=-1).gather(1, targets[i : i + chunk, None])[:, 0]
-        for i in range(0, logits.shape[0], chunk)
-    ]
-    return torch.cat(out) if out else torch.zeros(0)
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target_t) for each row of ``logits`` (T, V), without materialising a (T, V) log-softmax."""
+    logits = logits.float()
+    return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)  # (T,)
 
 
 def trace_key(cfg: Any) -> str:

@@ -96,3 +96,29 @@ def test_trace_dtype_mismatch_is_refused(tiny_cfg, tiny_handle):
     cfg2 = tiny_cfg("+compressor=identity", "dtype=bfloat16", f"trace={default_trace_dir(cfg)}")
     with pytest.raises(ValueError, match="float16"):
         measure(cfg2, make_compressor(cfg2.compressor), tiny_handle)
+
+
+class _NoModel:
+    """A handle whose model must not be touched: runs on a stored trace without the NLL metric."""
+
+    cfg = None
+
+    @property
+    def model(self):
+        raise AssertionError("the model was loaded although the trace and metrics did not need it")
+
+    tokenizer = model
+
+
+def test_stored_trace_runs_without_loading_the_model(tiny_cfg, tiny_handle):
+    trace = load_or_capture(tiny_cfg(), tiny_handle)
+    cfg = tiny_cfg("+compressor=kivi", "compressor.residual=0", f"trace={trace.path}", "metrics.nll=false")
+    summary, _ = measure(cfg, make_compressor(cfg.compressor), _NoModel())
+    assert summary["model_loaded"] is False and summary["rel_mse_k"] > 0
+    assert summary["delta_nll"] != summary["delta_nll"]  # NaN: not measured, not made up
+
+
+def test_missing_trace_says_how_to_make_one(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("+compressor=kivi", f"trace={tmp_path / 'nowhere'}")
+    with pytest.raises(FileNotFoundError, match="kvbench capture"):
+        measure(cfg, make_compressor(cfg.compressor), _NoModel())

@@ -63,6 +63,7 @@ class Trace:
     path: Path
     manifest: dict[str, Any]
     sequences: list[TraceSequence]
+    captured: bool = False  # True when this process captured it (rather than loading a cached capture)
 
     @property
     def eval(self) -> list[TraceSequence]:
@@ -189,4 +190,14 @@ def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:
     out = default_trace_dir(cfg)
     if (out / "manifest.json").exists():
         return load_trace(out)
-    return capture(cfg, handle, out)
+    from filelock import FileLock
+
+    # Parallel sweep cells (joblib, submitit) may need the same trace at once: one captures, the others wait
+    # on the lock and then load its capture instead of racing to replace the directory.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if (out / "manifest.json").exists():
+            return load_trace(out)
+        trace = capture(cfg, handle, out)
+    trace.captured = True
+    return trace

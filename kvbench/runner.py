@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from kvbench.atomic import staged_dir
 from kvbench.bitstream import Bitstream
@@ -53,7 +54,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     dist = DistortionAccumulator()
     bits, parts, lossless = [], [], True
     nll_base, nll_comp, n_tok, n_el = [], [], 0, 0
-    for seq in trace.eval:
+    # disable=None: a bar on a terminal, silent in sweep logs
+    for seq in tqdm(trace.eval, desc=f"{compressor.name}: code + score", unit="seq", leave=False, disable=None):
         kv = seq.kv
         ctx = Context.for_kv(kv, model_ref)
         with enc():
@@ -105,6 +107,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "device": cfg.device,
         "compressor_params": compressor.describe(),
         "trace": str(trace.path),
+        "trace_captured": trace.captured,
         "model_loaded": need_model,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

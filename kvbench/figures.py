@@ -1,0 +1,266 @@
+"""Paper figures from the report table (one row per run). Each builder returns ``(Figure, "")`` or
+``(None, reason)`` when no summary carries what it plots, so a report never fails for a missing figure.
+
+Figures are built on ``matplotlib.figure.Figure`` directly (no pyplot, no global backend), with labelled axes and
+units, and log axes wherever a range spans a decade or more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+from matplotlib import rc_context, ticker
+from matplotlib.figure import Figure
+
+from kvbench.report import series_label
+
+STYLE = {
+    "font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
+    "ytick.labelsize": 7, "axes.grid": True, "grid.alpha": 0.3, "lines.markersize": 4, "lines.linewidth": 1.2,
+    "savefig.dpi": 200, "pdf.fonttype": 42,  # TrueType in PDFs: editable text, accepted by publishers
+}
+BOUND_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
+
+# Keys that later summaries may carry (workload statistics, eval outputs): the first one present is used.
+SHARE_RATE_KEYS = ("share_rate", "sharing.share_rate", "shared_fraction", "sharing.shared_fraction",
+                   "shared_token_fraction", "sharing.shared_token_fraction", "workload.share_rate",
+                   "cfg.workload.share_rate")
+SAVINGS_KEYS = ("dedup_ratio", "sharing.dedup_ratio", "dedup_savings", "sharing.savings", "savings",
+                "saved_fraction", "sharing.saved_fraction")
+ACC_DELTA_KEYS = ("delta_acc", "accuracy_delta", "delta_accuracy", "acc_delta")
+ACC_STDERR_KEYS = ("delta_acc_stderr", "accuracy_delta_stderr", "delta_accuracy_stderr", "acc_delta_stderr")
+
+
+def _finite(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    if df.empty or any(c not in df for c in cols):
+        return df.iloc[0:0]
+    num = df[list(cols)].apply(pd.to_numeric, errors="coerce")
+    keep = np.isfinite(num.to_numpy(dtype=float)).all(axis=1)
+    out = df.loc[keep].copy()
+    out[list(cols)] = num.loc[keep]
+    return out
+
+
+def _first(df: pd.DataFrame, keys: tuple[str, ...]) -> str | None:
+    return next((k for k in keys if k in df and pd.to_numeric(df[k], errors="coerce").notna().any()), None)
+
+
+def _facets(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    keys = [c for c in ("model", "dataset") if c in df]
+    if not keys:
+        return [("", df)]
+    return [(" / ".join(map(str, k if isinstance(k, tuple) else (k,))), g) for k, g in df.groupby(keys, sort=True)]
+
+
+def _grid(n: int, ncols_max: int = 3, w: float = 3.4, h: float = 2.7, sharey: bool = False):
+    ncols = min(n, ncols_max)
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(w * ncols, h * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=sharey).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _log_if_spans(ax, axis: str, values, base: float = 10) -> None:
+    """Log scale when the positive values span at least a decade; ticks as plain numbers (2, 50, 1e+05)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size and (v > 0).all() and v.max() / v.min() >= 10:
+        which = ax.xaxis if axis == "x" else ax.yaxis
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
+        which.set_major_formatter(ticker.FuncFormatter(lambda t, _: f"{t:g}"))
+        which.set_minor_formatter(ticker.NullFormatter())
+
+
+def _legend(fig: Figure, axes) -> None:
+    """One legend: inside a single axes when short, else to the right of the figure, widened to make room."""
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    if not handles:
+        return
+    if len(axes) == 1 and len(handles) <= 4:
+        with rc_context(STYLE):
+            axes[0].legend()
+        return
+    longest = max(len(label) for label in handles)
+    fig.set_figwidth(fig.get_figwidth() + 0.6 + 0.055 * longest)
+    with rc_context(STYLE):
+        fig.legend(list(handles.values()), list(handles), loc="outside right upper")
+
+
+def _symlog_if_spans(ax, values) -> None:
+    """Symmetric log on y when |values| span a decade (delta_nll can be 0 or slightly negative)."""
+    raw = np.asarray(values, dtype=float)
+    raw = raw[np.isfinite(raw)]
+    pos = np.abs(raw[raw != 0])
+    if pos.size and pos.max() / pos.min() >= 10:
+        lin = 10 ** math.floor(math.log10(pos.min()))
+        ax.set_yscale("symlog", linthresh=lin, linscale=0.5)
+        lo = raw.min() * 2 if raw.min() < 0 else -lin
+        ax.set_ylim(lo, raw.max() * 2)
+
+
+def rate_distortion(df: pd.DataFrame):
+    """Bits per element against delta_nll, one line per compressor (and per non-rate setting)."""
+    d = _finite(df, "bits_per_element", "delta_nll")
+    if d.empty:
+        return None, "no run has both bits_per_element and delta_nll (run with metrics.nll=true)"
+    d["series"] = series_label(d)
+    facets = _facets(d)
+    with rc_context(STYLE):
+        fig, axes = _grid(len(facets))
+        for ax, (title, g) in zip(axes, facets):
+            for name, s in g.groupby("series", sort=True):
+                s = s.sort_values("bits_per_element")
+                ax.plot(s["bits_per_element"], s["delta_nll"], marker="o", label=name)
+            ys = list(g["delta_nll"])
+            if "nll_base" in g and pd.to_numeric(g["nll_base"], errors="coerce").notna().any():
+                ref = 0.01 * float(pd.to_numeric(g["nll_base"], errors="coerce").mean())
+                ax.axhline(ref, color="grey", linestyle=":", linewidth=1, label="1% NLL regression")
+                ys.append(ref)
+            ax.axhline(0, color="black", linewidth=0.6)
+            _log_if_spans(ax, "x", g["bits_per_element"], base=2)
+            _symlog_if_spans(ax, ys)
+            ax.set_xlabel("rate (bits per KV element; 16-bit baseline = 16)")
+            ax.set_ylabel(r"$\Delta$NLL (nats/token, held-out text)")
+            ax.set_title(title)
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+def context_length(df: pd.DataFrame):
+    """Bits per token against context length, with the measured entropy bound H(token | history)."""
+    d = _finite(df, "bits_per_token", "context_len")
+    if d.empty:
+        return None, "no run has bits_per_token"
+    d["series"] = series_label(d, exclude=())
+    facets = _facets(d)
+    with rc_context(STYLE):
+        fig, axes = _grid(len(facets))
+        for ax, (title, g) in zip(axes, facets):
+            for name, s in g.groupby("series", sort=True):
+                s = s.groupby("context_len", as_index=False)["bits_per_token"].mean()
+                ax.plot(s["context_len"], s["bits_per_token"], marker="o", label=name)
+            b = _finite(g, "bound_bits_per_token")
+            ys = list(g["bits_per_token"])
+            if not b.empty:
+                b = b.groupby("context_len", as_index=False)["bound_bits_per_token"].mean()
+                ax.plot(b["context_len"], b["bound_bits_per_token"], marker="s", **BOUND_STYLE,
+                        label="entropy bound H(token | history)")
+                ys += list(b["bound_bits_per_token"])
+            _log_if_spans(ax, "y", ys)
+            _log_if_spans(ax, "x", g["context_len"], base=2)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("bits per token (all layers, K and V)")
+            ax.set_title(title)
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+def pareto_front(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Indices of the points no other point beats on both x and y (both maximised), sorted by x."""
+    order = np.lexsort((-y, -x))  # x descending, then y descending
+    front, best = [], -np.inf
+    for i in order:
+        if y[i] > best:
+            front.append(i)
+            best = y[i]
+    return np.array(sorted(front, key=lambda i: x[i]), dtype=int)
+
+
+def throughput(df: pd.DataFrame):
+    """Encode and decode throughput against compression ratio, the Pareto front marked."""
+    d = _finite(df, "compression_ratio", "encode_MBps", "decode_MBps")
+    if not d.empty:
+        d = d[(d["encode_MBps"] > 0) & (d["decode_MBps"] > 0) & (d["compression_ratio"] > 0)]
+    if d.empty:
+        return None, "no run has finite compression_ratio, encode_MBps and decode_MBps"
+    facets = _facets(d)
+    compressors = sorted(d["compressor"].astype(str).unique())
+    colors = {c: f"C{i % 10}" for i, c in enumerate(compressors)}
+    with rc_context(STYLE):
+        fig = Figure(figsize=(7.0, 2.8 * len(facets)), layout="constrained")
+        axes = fig.subplots(len(facets), 2, squeeze=False)
+        for row, (title, g) in zip(axes, facets):
+            for ax, col, what in ((row[0], "encode_MBps", "encode"), (row[1], "decode_MBps", "decode")):
+                for c, s in g.groupby("compressor", sort=True):
+                    ax.scatter(s["compression_ratio"], s[col], color=colors[str(c)], label=str(c), s=14, zorder=3)
+                x, y = g["compression_ratio"].to_numpy(float), g[col].to_numpy(float)
+                f = pareto_front(x, y)
+                ax.plot(x[f], y[f], color="black", linewidth=0.8, drawstyle="steps-post", zorder=2,
+                        label="Pareto front")
+                ax.scatter(x[f], y[f], s=60, facecolors="none", edgecolors="black", linewidths=0.8, zorder=4)
+                _log_if_spans(ax, "x", x)
+                _log_if_spans(ax, "y", y)
+                ax.set_xlabel(r"compression ratio vs 16-bit ($\times$)")
+                ax.set_ylabel(f"{what} throughput (MB/s of 16-bit KV)")
+                ax.set_title(f"{title}: {what}" if title else what)
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+def prefix_sharing(df: pd.DataFrame):
+    """Dedup savings against the workload's share rate, from summaries that carry sharing statistics."""
+    x, y = _first(df, SHARE_RATE_KEYS), _first(df, SAVINGS_KEYS)
+    if x is None or y is None:
+        return None, "no summary carries sharing statistics (share rate and savings)"
+    d = _finite(df, x, y)
+    d["series"] = series_label(d, exclude=())
+    facets = _facets(d)
+    with rc_context(STYLE):
+        fig, axes = _grid(len(facets))
+        for ax, (title, g) in zip(axes, facets):
+            for name, s in g.groupby("series", sort=True):
+                s = s.groupby(x, as_index=False)[y].mean()
+                ax.plot(s[x], s[y], marker="o", label=name)
+            _log_if_spans(ax, "y", g[y])
+            ax.set_xlabel(f"share rate ({x}: fraction of tokens in a prefix seen before)")
+            ax.set_ylabel(f"savings ({y})")
+            ax.set_title(title)
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+def accuracy(df: pd.DataFrame):
+    """Task-accuracy regression per compressor and task, with error bars when summaries give a stderr."""
+    y = _first(df, ACC_DELTA_KEYS)
+    if y is None:
+        return None, "no eval summary (no accuracy-regression key such as delta_acc)"
+    d = _finite(df, y)
+    err = _first(d, ACC_STDERR_KEYS)
+    task = next((k for k in ("task", "tasks", "cfg.task") if k in d), None)
+    d["series"] = series_label(d, exclude=())
+    d["task_label"] = d[task].astype(str) if task else "all tasks"
+    tasks = sorted(d["task_label"].unique())
+    series = sorted(d["series"].unique())
+    width = 0.8 / max(len(series), 1)
+    with rc_context(STYLE):
+        fig = Figure(figsize=(max(3.4, 0.9 * len(tasks) * max(1, len(series)) ** 0.5 + 1.5), 2.8), layout="constrained")
+        ax = fig.subplots()
+        for i, name in enumerate(series):
+            s = d[d["series"] == name].groupby("task_label")
+            mean = s[y].mean().reindex(tasks)
+            e = s[err].mean().reindex(tasks) if err else None
+            pos = np.arange(len(tasks)) + (i - (len(series) - 1) / 2) * width
+            ax.bar(pos, 100 * mean.to_numpy(float), width, label=name,
+                   yerr=None if e is None else 100 * 1.96 * e.to_numpy(float), capsize=2)
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_xticks(np.arange(len(tasks)), tasks, rotation=20, ha="right")
+        ax.set_ylabel("accuracy change vs 16-bit (points)" + (", 95% CI" if err else ""))
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+FIGURES: dict[str, Callable[[pd.DataFrame], tuple[Figure | None, str]]] = {
+    "rate_distortion": rate_distortion,
+    "context_length": context_length,
+    "throughput_vs_ratio": throughput,
+    "prefix_sharing": prefix_sharing,
+    "accuracy_regression": accuracy,
+}

@@ -1,0 +1,198 @@
+"""Hydra multirun through the joblib and submitit_local launchers, resumption, trace reuse, and the report.
+
+The CLI runs in subprocesses, so the model is a tiny random Llama saved as a Hugging Face checkpoint with an
+offline word-level tokenizer, and the text a small local file. KVBENCH_HOME and KVBENCH_RESULTS live in tmp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from kvbench.config import available, compose
+
+pytestmark = pytest.mark.slow
+
+WORDS = ["the", "nation", "shall", "endure", "and", "people", "prosper", "under", "law", "liberty", "of", "all"]
+GRID = ["+compressor=kivi", "compressor.bits=2,3,4", "compressor.group_size=16,32", "compressor.residual=0"]
+N_CELLS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Llama checkpoint with a word-level tokenizer trained on the corpus, both saved to disk."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny")
+    g = torch.Generator().manual_seed(1)
+    text = " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (4000,), generator=g).tolist())
+    corpus = root / "corpus.txt"
+    corpus.write_text(text)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    ckpt = root / "ckpt"
+    fast.save_pretrained(ckpt)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(ckpt)
+    return ckpt, corpus
+
+
+def _setup(tmp_path: Path, checkpoint) -> tuple[list[str], dict, Path]:
+    ckpt, corpus = checkpoint
+    args = ["model=hf", f"model.path={ckpt}", "dataset=text", f"dataset.path={corpus}", "dataset.seq_len=48",
+            "dataset.eval_len=8", "dataset.n_sequences=2", "dataset.n_calib=1"]
+    env = {**os.environ, "KVBENCH_HOME": str(tmp_path / "home"), "KVBENCH_RESULTS": str(tmp_path / "results"),
+           "OMP_NUM_THREADS": "1"}
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return args, env, cwd
+
+
+def _kvbench(args: list[str], env: dict, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "kvbench", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    return p
+
+
+def _summaries(results: Path) -> dict[Path, tuple[int, bytes]]:
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted((results / "runs").glob("*/summary.json"))}
+
+
+def _launcher_logs(results: Path) -> str:
+    return "".join(p.read_text() for p in (results / "sweeps").rglob("*_log.out"))
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_multirun_runs_every_cell_once_and_resumes(tmp_path, checkpoint, launcher, capsys):
+    args, env, cwd = _setup(tmp_path, checkpoint)
+    cmd = ["run", "-m", *GRID, f"hydra/launcher={launcher}", *args]
+    if launcher == "joblib":
+        cmd.append("hydra.launcher.n_jobs=2")
+    results = tmp_path / "results"
+
+    first = _kvbench(cmd, env, cwd)
+    done = _summaries(results)
+    assert len(done) == N_CELLS, first.stdout[-2000:]
+    cells = [json.loads(b) for _, b in done.values()]
+    grid = {(c["compressor_params"]["bits"], c["compressor_params"]["group_size"]) for c in cells}
+    assert grid == {(b, g) for b in (2, 3, 4) for g in (16, 32)}
+    # one (model, dataset) trace: captured by exactly one cell, under the lock, reused by the other five
+    traces = [p for p in (tmp_path / "home" / "traces").iterdir() if not p.name.startswith(".")]
+    assert len(traces) == 1
+    assert sum(c["trace_captured"] for c in cells) == 1
+    assert {c["trace"] for c in cells} == {str(traces[0])}
+    # nothing half-written or left in the working directory; the sweep dir records the sweep
+    assert not [p for p in (results / "runs").iterdir() if p.name.startswith(".")]
+    assert list(cwd.iterdir()) == []
+    assert len(list((results / "sweeps").glob("*/multirun.yaml"))) == 1
+
+    time.sleep(1.1)  # a new sweep dir name; and any rewrite would show in st_mtime_ns
+    second = _kvbench(cmd, env, cwd)
+    assert _summaries(results) == done, "the second invocation rewrote a finished cell"
+    out = second.stdout if launcher == "joblib" else _launcher_logs(results)
+    assert out.count("reusing finished run") == N_CELLS
+    assert len(list((results / "sweeps").glob("*/multirun.yaml"))) == 2
+    assert list(cwd.iterdir()) == []
+
+    if launcher == "joblib":
+        from kvbench.__main__ import main
+
+        assert main(["report", str(results / "runs"), "--out", str(tmp_path / "report")]) == 0
+        _check_report(tmp_path / "report", N_CELLS, capsys.readouterr().out)
+
+
+def _check_report(out: Path, n_rows: int, stdout: str) -> None:
+    for name in ("runs.csv", "runs.md", "runs.tex", "best_at_1pct_nll.md", "best_at_1pct_nll.tex"):
+        assert (out / name).stat().st_size > 0, name
+    for fig in ("rate_distortion", "context_length", "throughput_vs_ratio"):
+        for ext in ("png", "pdf"):
+            assert (out / "figures" / f"{fig}.{ext}").stat().st_size > 1000, (fig, ext)
+    assert len(pd.read_csv(out / "runs.csv")) == n_rows
+    md = (out / "runs.md").read_text().splitlines()
+    assert len(md) == 2 + n_rows and md[0].startswith("| model")
+    tex = (out / "runs.tex").read_text()
+    assert tex.count(r"\\") == 1 + n_rows and r"\toprule" in tex
+    assert f"{n_rows} runs" in stdout and "prefix_sharing: nothing to plot" in stdout
+
+
+def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
+    """SIGKILL inside write_run: the final run dir never appears, the report lists the leftovers and goes on."""
+    runs = tmp_path / "runs"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from kvbench.runner import write_run
+
+        class Stall:  # serialised last: the kill lands while the staged directory is half written
+            def __str__(self):
+                print("writing", flush=True)
+                time.sleep(60)
+
+        summary = {{"compressor": "kivi", "bits_per_element": 4.0, "stall": Stall()}}
+        write_run(Path({str(runs / "kivi-abc")!r}), summary, [{{"layer": 0, "kind": "k"}}], {{}})
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert not (runs / "kivi-abc").exists()
+    leftovers = [d for d in runs.iterdir() if d.name.startswith(".kivi-abc.")]
+    assert len(leftovers) == 1 and not (leftovers[0] / "summary.json").exists()
+
+    from kvbench.report import collect, write_report
+
+    good = runs / "kivi-good"
+    good.mkdir()
+    (good / "summary.json").write_text(json.dumps({"compressor": "kivi", "model": "m", "dataset": "d",
+                                                   "bits_per_element": 4.0, "compression_ratio": 4.0}))
+    (runs / "broken").mkdir()
+    (runs / "broken" / "summary.json").write_text('{"compressor": "ki')
+    (runs / "partial").mkdir()
+    (runs / "partial" / "rows.parquet").write_bytes(b"")
+    (runs / "foreign").mkdir()
+    (runs / "foreign" / "summary.json").write_text("[1, 2]")
+    got = collect([runs, tmp_path / "missing"])
+    assert list(got.table["run_id"]) == ["kivi-good"]
+    reasons = {Path(p).name: why for p, why in got.skipped}
+    assert set(reasons) == {leftovers[0].name, "broken", "partial", "foreign", "missing"}
+    assert "killed" in reasons[leftovers[0].name] and "unreadable" in reasons["broken"]
+    res = write_report([runs], tmp_path / "report")
+    assert res["rows"] == 1 and (tmp_path / "report" / "skipped.txt").read_text().count("\n") == 4
+    # one run with no NLL and no timing: tables are written, figures with nothing to plot are skipped
+    assert "rate_distortion" in res["empty"] and "prefix_sharing" in res["empty"]
+
+
+@pytest.mark.parametrize("name", available("experiment"))
+def test_experiment_presets_compose_and_their_first_cell_builds(name):
+    """Each preset composes, sets only what it lists, and its sweep axes are valid overrides."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config import make_compressor
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "experiment" / f"{name}.yaml"))
+    params = raw.get("hydra", {}).get("sweeper", {}).get("params", {})
+    assert raw and (params or set(raw) - {"hydra", "defaults"}), f"experiment {name} changes nothing"
+    first = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()]
+    cfg = compose([f"+experiment={name}", *first])
+    base = compose(first)
+    changed = {k for k in OmegaConf.to_container(cfg) if OmegaConf.select(cfg, k) != OmegaConf.select(base, k)}
+    listed = set(raw) - {"defaults", "hydra"}
+    assert changed <= listed, f"{name} changes {changed - listed} that it does not list"
+    if cfg.get("compressor") is not None:
+        make_compressor(cfg.compressor)

@@ -25,11 +25,8 @@ STYLE = {
 BOUND_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
 
 # Keys that later summaries may carry (workload statistics, eval outputs): the first one present is used.
-SHARE_RATE_KEYS = ("share_rate", "sharing.share_rate", "shared_fraction", "sharing.shared_fraction",
-                   "shared_token_fraction", "sharing.shared_token_fraction", "workload.share_rate",
-                   "cfg.workload.share_rate")
-SAVINGS_KEYS = ("dedup_ratio", "sharing.dedup_ratio", "dedup_savings", "sharing.savings", "savings",
-                "saved_fraction", "sharing.saved_fraction")
+SHARE_RATE_KEYS = ("sharing.share_rate", "share_rate")
+DEDUP_KEYS = ("sharing.dedup_ratio", "dedup_ratio")
 ACC_DELTA_KEYS = ("delta_acc", "accuracy_delta", "delta_accuracy", "acc_delta")
 ACC_STDERR_KEYS = ("delta_acc_stderr", "accuracy_delta_stderr", "delta_accuracy_stderr", "acc_delta_stderr")
 
@@ -49,10 +46,12 @@ def _first(df: pd.DataFrame, keys: tuple[str, ...]) -> str | None:
 
 
 def _facets(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    keys = [c for c in ("model", "dataset") if c in df]
+    """One panel per model and dataset (and workload, for multi-session runs)."""
+    keys = [c for c in ("model", "dataset", "workload") if c in df]
     if not keys:
         return [("", df)]
-    return [(" / ".join(map(str, k if isinstance(k, tuple) else (k,))), g) for k, g in df.groupby(keys, sort=True)]
+    title = df[keys].astype(str).where(df[keys].notna(), "").agg(lambda r: " / ".join(v for v in r if v), axis=1)
+    return [(t, g) for t, g in df.groupby(title, sort=True)]
 
 
 def _grid(n: int, ncols_max: int = 3, w: float = 3.4, h: float = 2.7, sharey: bool = False):
@@ -65,11 +64,11 @@ def _grid(n: int, ncols_max: int = 3, w: float = 3.4, h: float = 2.7, sharey: bo
     return fig, axes[:n]
 
 
-def _log_if_spans(ax, axis: str, values, base: float = 10) -> None:
-    """Log scale when the positive values span at least a decade; ticks as plain numbers (2, 50, 1e+05)."""
+def _log_if_spans(ax, axis: str, values, base: float = 10, span: float = 10) -> None:
+    """Log scale when the positive values span ``span``x (a decade by default); ticks as plain numbers."""
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
-    if v.size and (v > 0).all() and v.max() / v.min() >= 10:
+    if v.size and (v > 0).all() and v.max() / v.min() >= span:
         which = ax.xaxis if axis == "x" else ax.yaxis
         (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
         which.set_major_formatter(ticker.FuncFormatter(lambda t, _: f"{t:g}"))
@@ -155,7 +154,7 @@ def context_length(df: pd.DataFrame):
                         label="entropy bound H(token | history)")
                 ys += list(b["bound_bits_per_token"])
             _log_if_spans(ax, "y", ys)
-            _log_if_spans(ax, "x", g["context_len"], base=2)
+            _log_if_spans(ax, "x", g["context_len"], base=2, span=4)  # doubling sweeps: even steps
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("bits per token (all layers, K and V)")
             ax.set_title(title)
@@ -206,22 +205,31 @@ def throughput(df: pd.DataFrame):
 
 
 def prefix_sharing(df: pd.DataFrame):
-    """Dedup savings against the workload's share rate, from summaries that carry sharing statistics."""
-    x, y = _first(df, SHARE_RATE_KEYS), _first(df, SAVINGS_KEYS)
-    if x is None or y is None:
-        return None, "no summary carries sharing statistics (share rate and savings)"
-    d = _finite(df, x, y)
+    """Compression ratio against the workload's share rate (summaries with sharing statistics), beside the
+    ratio exact token-level dedup alone would give (tokens / unique tokens)."""
+    x = _first(df, SHARE_RATE_KEYS)
+    if x is None:
+        return None, "no summary carries sharing statistics (a share rate)"
+    d = _finite(df, x, "compression_ratio")
+    if d.empty:
+        return None, f"no run has both {x} and compression_ratio"
+    ideal = _first(d, DEDUP_KEYS)
     d["series"] = series_label(d, exclude=())
     facets = _facets(d)
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
+            ys = list(g["compression_ratio"])
             for name, s in g.groupby("series", sort=True):
-                s = s.groupby(x, as_index=False)[y].mean()
-                ax.plot(s[x], s[y], marker="o", label=name)
-            _log_if_spans(ax, "y", g[y])
-            ax.set_xlabel(f"share rate ({x}: fraction of tokens in a prefix seen before)")
-            ax.set_ylabel(f"savings ({y})")
+                s = s.groupby(x, as_index=False)["compression_ratio"].mean()
+                ax.plot(100 * s[x], s["compression_ratio"], marker="o", label=name)
+            if ideal:
+                b = _finite(g, ideal).groupby(x, as_index=False)[ideal].mean()
+                ax.plot(100 * b[x], b[ideal], marker="s", **BOUND_STYLE, label="exact dedup: tokens / unique tokens")
+                ys += list(b[ideal])
+            _log_if_spans(ax, "y", ys)
+            ax.set_xlabel("share rate (% of tokens in a prefix seen before)")
+            ax.set_ylabel(r"compression ratio vs 16-bit ($\times$)")
             ax.set_title(title)
     _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
     return fig, ""

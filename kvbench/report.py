@@ -33,6 +33,8 @@ COLUMNS = [
     ("dataset", "dataset", "dataset", "s"),
     ("compressor", "compressor", "compressor", "s"),
     ("params", "params", "params", "s"),
+    ("workload", "workload", "workload", "s"),
+    ("sharing.share_rate", "share rate", "share rate", ".2f"),
     ("context_len", "context", "context", "d"),
     ("bits_per_element", "bits/elt", "bits/elt", ".3f"),
     ("bits_per_token", "bits/token", "bits/token", ",.1f"),
@@ -168,12 +170,16 @@ def series_label(df: pd.DataFrame, exclude: Iterable[str] = RATE_KNOBS) -> pd.Se
     if df.empty:
         return pd.Series(dtype=str)
     labels = pd.Series(df["compressor"].astype(str), index=df.index)
+    if "compressor_params.inner.name" in df:  # a pipeline is named by what it wraps: pipeline(turboquant)
+        inner = df["compressor_params.inner.name"]
+        labels = labels.where(inner.isna(), labels + "(" + inner.astype(str) + ")")
     pcols = [c for c in param_columns(df) if c.removeprefix("compressor_params.") not in set(exclude)]
     for _, idx in df.groupby("compressor").groups.items():
         sub = df.loc[idx]
         varying = [c for c in pcols if sub[c].astype(str).nunique(dropna=False) > 1]
         if varying:
-            labels.loc[idx] = sub.apply(lambda r, v=varying: f"{r['compressor']} {_params_text(r, v)}", axis=1)
+            text = sub.apply(lambda r, v=varying: _params_text(r, v), axis=1)
+            labels.loc[idx] = (labels.loc[idx] + " " + text).str.strip()
     return labels
 
 
@@ -226,7 +232,7 @@ def to_markdown(df: pd.DataFrame, columns=COLUMNS) -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "#": r"\#", "_": r"\_", "{": r"\{", "}": r"\}",
-        "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "$": r"\$"}
+        "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "$": r"\$", "|": r"\textbar{}"}
 
 
 def _tex_escape(s: str) -> str:

@@ -1,0 +1,100 @@
+"""The report on synthetic summaries: table, best-at-1%, labels, Pareto front, figures with and without data."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvbench.figures import FIGURES, pareto_front
+from kvbench.report import best_at_tolerance, collect, series_label, to_latex, to_markdown, write_report
+
+
+def _summary(compressor, bits_el, dnll, ratio=None, **extra):
+    s = {"compressor": compressor, "model": "smollm2_135m", "dataset": "sotu", "n_tokens": 4096, "n_sequences": 4,
+         "bits_per_element": bits_el, "bits_per_token": bits_el * 11520, "bound_bits_per_token": 4.0,
+         "compression_ratio": ratio or 16 / bits_el, "delta_nll": dnll, "nll_base": 2.5, "encode_MBps": 100 / bits_el,
+         "decode_MBps": 300.0, "rel_mse_k": 0.01, "rel_mse_v": 0.02, "lossless": dnll == 0}
+    s.update(extra)
+    return s
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    cells = [
+        _summary("kivi", 4.5, 0.05, compressor_params={"name": "kivi", "bits": 2, "group_size": 32}),
+        _summary("kivi", 5.5, 0.02, compressor_params={"name": "kivi", "bits": 3, "group_size": 32}),
+        _summary("kivi", 6.5, 0.004, compressor_params={"name": "kivi", "bits": 4, "group_size": 32}),
+        _summary("kivi", 4.2, 0.08, compressor_params={"name": "kivi", "bits": 2, "group_size": 64}),
+        _summary("turboquant", 3.25, 0.03, compressor_params={"name": "turboquant", "bits": 3, "variant": "mse"}),
+        _summary("identity", 16.0, 0.0, compressor_params={"name": "identity"}),
+        _summary("trie", 8.0, 0.0, workload="mixed", sharing={"share_rate": 0.5, "dedup_ratio": 2.1},
+                 compressor_params={"name": "trie", "block_size": 16}),
+        _summary("trie", 4.0, 0.0, workload="mixed", sharing={"share_rate": 0.75, "dedup_ratio": 4.2},
+                 compressor_params={"name": "trie", "block_size": 16}),
+    ]
+    for i, c in enumerate(cells):
+        d = tmp_path / "runs" / f"{c['compressor']}-{i:03d}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(c))
+        (d / "config.json").write_text(json.dumps({"dataset": {"seq_len": 1024}}))
+    return tmp_path / "runs"
+
+
+def test_collect_flattens_and_derives(runs):
+    df = collect([runs, runs / "kivi-000"]).table  # the same dir twice is read once
+    assert len(df) == 8
+    assert set(df["context_len"]) == {1024}
+    assert df.loc[df["compressor"] == "identity", "x_bound"].item() == pytest.approx(16 * 11520 / 4.0)
+    assert df.loc[df["run_id"] == "kivi-000", "params"].item() == "bits=2 group_size=32"
+    assert df["sharing.share_rate"].notna().sum() == 2
+
+
+def test_series_labels_split_curves_by_non_rate_params(runs):
+    df = collect([runs]).table
+    labels = dict(zip(df["run_id"], series_label(df)))
+    assert labels["kivi-000"] == labels["kivi-001"] == "kivi group_size=32"
+    assert labels["kivi-003"] == "kivi group_size=64"
+    assert labels["turboquant-004"] == "turboquant"  # nothing else varies
+    assert dict(zip(df["run_id"], series_label(df, exclude=())))["kivi-000"] == "kivi bits=2 group_size=32"
+
+
+def test_best_at_one_percent_nll(runs):
+    best = best_at_tolerance(collect([runs]).table)
+    got = dict(zip(best["compressor"], best["compression_ratio"]))
+    # 1% of NLL 2.5 = 0.025 nats: kivi g32 at 3 bits (0.02) qualifies, at 2 bits (0.05) does not
+    assert got["kivi group_size=32"] == pytest.approx(16 / 5.5)
+    assert "kivi group_size=64" not in got and "turboquant" not in got
+    assert got["identity"] == pytest.approx(1.0)
+
+
+def test_markdown_and_latex_tables_escape_and_skip_missing_columns():
+    df = pd.DataFrame([{"compressor": "a_b|c", "model": "m", "bits_per_element": 2.0, "delta_nll": float("nan")},
+                       {"compressor": "d", "model": "m", "bits_per_element": 3.0, "delta_nll": 0.01}])
+    md = to_markdown(df).splitlines()
+    assert md[0] == "| model | compressor | bits/elt | dNLL (nats) |"  # no empty columns (ratio, MSE, ...)
+    assert md[2] == "| m | a_b\\|c | 2.000 | - |" and md[3] == "| m | d | 3.000 | +0.0100 |"
+    tex = to_latex(df)
+    assert r"m & a\_b\textbar{}c & 2.000 & - \\" in tex and r"\toprule" in tex and r"$\Delta$NLL" in tex
+    assert to_markdown(pd.DataFrame()) == "_no runs_\n"
+
+
+def test_pareto_front():
+    x = np.array([1.0, 2.0, 3.0, 4.0, 2.5])
+    y = np.array([10.0, 8.0, 3.0, 1.0, 2.0])
+    assert list(pareto_front(x, y)) == [0, 1, 2, 3]  # (2.5, 2) is beaten by (3, 3)
+    assert list(pareto_front(np.array([1.0, 1.0]), np.array([5.0, 5.0]))) == [0]
+
+
+def test_every_figure_builds_from_summaries_that_carry_its_keys(runs, tmp_path):
+    res = write_report([runs], tmp_path / "out", ("png",))
+    assert res["rows"] == 8
+    for name in ("rate_distortion", "context_length", "throughput_vs_ratio", "prefix_sharing"):
+        assert (tmp_path / "out" / "figures" / f"{name}.png").stat().st_size > 1000, name
+    assert set(res["empty"]) == {"accuracy_regression"}
+
+
+def test_figures_with_nothing_to_plot_say_why():
+    for name, make in FIGURES.items():
+        fig, why = make(pd.DataFrame({"compressor": ["x"], "model": ["m"], "dataset": ["d"]}))
+        assert fig is None and why, name

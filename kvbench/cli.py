@@ -20,6 +20,13 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
 def _run(cfg: DictConfig) -> None:
     from kvbench.runner import format_summary, measure, run_dir_for, write_run
@@ -35,6 +42,9 @@ def _run(cfg: DictConfig) -> None:
             summary, rows = measure(cfg, compressor)
             write_run(run_dir, summary, rows, cfg_dict)
     except USER_ERRORS as e:
+        if _in_sweep():
+            print(f"error: {e}", file=sys.stderr)
+            raise  # the launcher marks this cell failed, runs the others, then exits non-zero
         _fail(e)
     print(format_summary(summary))
     print(f"  -> {run_dir / 'summary.json'}")

@@ -196,3 +196,32 @@ def test_experiment_presets_compose_and_their_first_cell_builds(name):
     assert changed <= listed, f"{name} changes {changed - listed} that it does not list"
     if cfg.get("compressor") is not None:
         make_compressor(cfg.compressor)
+
+
+def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, checkpoint):
+    args, env, cwd = _setup(tmp_path, checkpoint)
+    p = subprocess.run([sys.executable, "-m", "kvbench", "run", "-m", "+compressor=kivi", "compressor.bits=9,2",
+                        "compressor.residual=0", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "kivi.bits=9 is out of range" in p.stderr
+    cells = [json.loads(s.read_text()) for s in (tmp_path / "results" / "runs").glob("*/summary.json")]
+    assert [c["compressor_params"]["bits"] for c in cells] == [2]
+
+
+def test_slurm_launcher_config(tmp_path, monkeypatch):
+    """hydra/launcher=slurm is submitit's SLURM launcher with kvbench-sized resources, logging under results."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from kvbench.config import CONFIG_DIR
+
+    monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path / "res"))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose("run", ["hydra/launcher=slurm", "hydra.launcher.partition=cpu"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
+    assert launcher["partition"] == "cpu" and launcher["cpus_per_task"] == 8 and launcher["timeout_min"] == 120
+    assert launcher["submitit_folder"].startswith(str(tmp_path / "res" / "sweeps"))

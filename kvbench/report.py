@@ -195,7 +195,9 @@ def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFr
     if ok.empty:
         return pd.DataFrame()
     best = ok.loc[ok.groupby(["model", "dataset", "series"])["ratio"].idxmax()]
-    out = best[["model", "dataset", "series", "params", "bits_per_element", "compression_ratio", "delta_nll", "nll_base"]]
+    cols = ["model", "dataset", "series", "params", "bits_per_element", "bits_per_token", "x_bound", "compression_ratio",
+            "delta_nll", "nll_base"]
+    out = best[[c for c in cols if c in best]]
     return out.rename(columns={"series": "compressor"}).sort_values(["model", "dataset", "compression_ratio"],
                                                                    ascending=[True, True, False])
 
@@ -259,6 +261,8 @@ BEST_COLUMNS = [
     ("compressor", "compressor", "compressor", "s"),
     ("params", "params", "params", "s"),
     ("bits_per_element", "bits/elt", "bits/elt", ".3f"),
+    ("bits_per_token", "bits/token", "bits/token", ",.1f"),
+    ("x_bound", "x bound", r"$\times$ bound", ",.0f"),
     ("compression_ratio", "ratio", "ratio", ".2f"),
     ("delta_nll", "dNLL (nats)", r"$\Delta$NLL (nats)", "+.4f"),
     ("nll_base", "NLL base", "NLL base", ".3f"),

@@ -1,0 +1,191 @@
+"""Draft ``results/README.md`` from the runs: the tables that answer the four questions, with the report's figures.
+
+Reads every summary under ``results/runs`` (through ``kvbench.report``) and expects ``python -m kvbench report
+results/runs --out results/report`` to have written the figures. Every number it prints comes from those summaries.
+The prose findings are written by hand after reading the tables: each section ends with a marked paragraph for them.
+
+    python scripts/results_readme.py [--runs results/runs] [--report results/report] [--out results/README.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.report import BEST_COLUMNS, best_at_tolerance, collect, series_label, to_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+FINDINGS = "<!-- findings: to be written from the tables and figures above -->"
+# The paper's per-vector arithmetic (arXiv 2604.15356) for a 70B-class config: 3 bits x 128 dims x 2 (K, V) x 64 heads
+# x 80 layers per token, against its bound of log2(20) = 4.3 bits/token.
+PAPER_PER_VECTOR_BITS = 3 * 128 * 2 * 64 * 80
+PAPER_BOUND_BITS = 4.3
+
+
+def _machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    import torch
+
+    return f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _sha() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def _num(df: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
+
+
+def _lossless(df: pd.DataFrame) -> pd.Series:
+    return df["lossless"].astype(str) == "True" if "lossless" in df else pd.Series(False, index=df.index)
+
+
+def _figure(report: Path, out: Path, name: str, caption: str) -> str:
+    png = report / "figures" / f"{name}.png"
+    if not png.exists():
+        return f"_(no {name} figure: no summary carries what it plots)_\n"
+    return f"![{caption}]({os.path.relpath(png, out.parent)})\n\n_{caption}_ (PDF beside it)\n"
+
+
+def cost_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Time per token beside bits per token, at each curve's best point within 1% NLL and for lossless runs."""
+    best = best_at_tolerance(df)
+    keep = set(best.index)
+    lossless = df.index[_lossless(df)]
+    rows = df.loc[sorted(keep | set(lossless))].copy()
+    if rows.empty:
+        return rows
+    rows["compressor"] = series_label(df).loc[rows.index]
+    tok = _num(rows, "n_tokens")
+    rows["encode_ms_per_token"] = 1e3 * _num(rows, "encode_s") / tok
+    rows["decode_ms_per_token"] = 1e3 * _num(rows, "decode_s") / tok
+    return rows.sort_values(["model", "bits_per_token"])
+
+
+COST_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("params", "params", "params", "s"),
+    ("bits_per_token", "bits/token", "bits/token", ",.1f"),
+    ("x_bound", "x bound", r"$\times$ bound", ",.1f"),
+    ("compression_ratio", "ratio", "ratio", ".2f"),
+    ("delta_nll", "dNLL (nats)", r"$\Delta$NLL", "+.4f"),
+    ("lossless", "lossless", "lossless", "s"),
+    ("encode_ms_per_token", "encode ms/token", "encode ms/token", ".3f"),
+    ("decode_ms_per_token", "decode ms/token", "decode ms/token", ".3f"),
+]
+
+BOUND_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("context_len", "context", "context", "d"),
+    ("bound_bits_per_token", "bound bits/token", "bound", ".2f"),
+    ("compressor", "best measured", "best", "s"),
+    ("bits_per_token", "its bits/token", "bits/token", ",.2f"),
+    ("x_bound", "x bound", r"$\times$ bound", ",.2f"),
+    ("paper_gap_closed", "paper's 914,000x -> measured", "gap", "s"),
+]
+
+
+def bound_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model and context: the bound and the fewest bits/token measured within 1% NLL (or lossless)."""
+    if df.empty or "bound_bits_per_token" not in df:
+        return pd.DataFrame()
+    d = df.assign(series=series_label(df), bpt=_num(df, "bits_per_token"), dnll=_num(df, "delta_nll"),
+                  base=_num(df, "nll_base"))
+    ok = d[(d["dnll"] <= 0.01 * d["base"]) | _lossless(d)]
+    ok = ok[ok["bpt"].notna()]
+    if ok.empty:
+        return pd.DataFrame()
+    best = ok.loc[ok.groupby(["model", "context_len"])["bpt"].idxmin()].copy()
+    best["compressor"] = best["series"] + " " + best["params"].fillna("")
+    paper = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
+    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {x:,.2f}x")
+    return best
+
+
+def sharing_table(df: pd.DataFrame) -> pd.DataFrame:
+    if "sharing.share_rate" not in df:
+        return pd.DataFrame()
+    d = df[_num(df, "sharing.share_rate").notna()].copy()
+    d["compressor"] = series_label(d, exclude=())
+    return d.sort_values(["model", "compressor", "sharing.share_rate"])
+
+
+SHARING_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("workload", "workload", "workload", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("sharing.share_rate", "share rate", "share rate", ".2f"),
+    ("sharing.dedup_ratio", "tokens / unique", "tokens / unique", ".2f"),
+    ("compression_ratio", "ratio", "ratio", ".2f"),
+    ("bits_per_token", "bits/token", "bits/token", ",.1f"),
+]
+
+
+def render(runs: Path, report: Path, out: Path) -> str:
+    got = collect([runs])
+    everything = got.table
+    # multi-session (workload) runs depend on the share rate: they are compared in section 3 only
+    single = everything["workload"].isna() | (everything["workload"].astype(str) == "none") if "workload" in everything \
+        else pd.Series(True, index=everything.index)
+    df = everything[single]
+    others = sorted(p for p in out.parent.glob("*.md") if p.name != out.name)
+    s = [
+        "# kvbench: measured findings\n",
+        f"Regenerated by `scripts/reproduce.sh` on {time.strftime('%Y-%m-%d')} at commit `{_sha()}`, on {_machine()}.",
+        f"{len(everything)} runs under `{runs}`; every number below is read from their `summary.json` "
+        f"(all of them: `results/report/runs.md`, `.csv`, `.tex`).\n",
+        "## 1. Real compression ratio at <= 1% NLL regression\n",
+        "Highest compression ratio (vs the 16-bit cache, every bit counted) whose held-out NLL rises by at most 1%:\n",
+        to_markdown(best_at_tolerance(df), BEST_COLUMNS),
+        _figure(report, out, "rate_distortion", "Rate-distortion: bits per element against delta NLL"),
+        FINDINGS + "\n",
+        "## 2. The latency and throughput price\n",
+        "Coding time per token at each curve's best point within 1% NLL, and for the lossless coders:\n",
+        to_markdown(cost_table(df), COST_COLUMNS),
+        _figure(report, out, "throughput_vs_ratio", "Encode and decode throughput against compression ratio"),
+        FINDINGS + "\n",
+        "## 3. Cross-session prefix sharing\n",
+        to_markdown(sharing_table(everything), SHARING_COLUMNS),
+        _figure(report, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
+        FINDINGS + "\n",
+        "## 4. Does the predictor's compute eat the memory saved?\n",
+        "See the decode ms/token column of section 2 for `delta` and `recompute`, and the end-to-end latency results.\n",
+        _figure(report, out, "accuracy_regression", "Task-accuracy regression per compressor and task"),
+        FINDINGS + "\n",
+        "## Distance to the entropy bound\n",
+        f"The paper's per-vector arithmetic for a 70B-class config is {PAPER_PER_VECTOR_BITS:,} bits/token, "
+        f"{PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS:,.0f}x its {PAPER_BOUND_BITS} bits/token bound. Measured here:\n",
+        to_markdown(bound_table(df), BOUND_COLUMNS),
+        _figure(report, out, "context_length", "Bits per token against context length, with the entropy bound"),
+        FINDINGS + "\n",
+    ]
+    if others:
+        s += ["## Detailed results\n", *[f"- [{p.stem}]({p.name})" for p in others], ""]
+    if got.skipped:
+        s += [f"{len(got.skipped)} run dirs were skipped (unfinished or unreadable); see `results/report/skipped.txt`.\n"]
+    return "\n".join(s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=Path, default=ROOT / "results" / "runs")
+    ap.add_argument("--report", type=Path, default=ROOT / "results" / "report")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "README.md")
+    args = ap.parse_args()
+    args.out.write_text(render(args.runs, args.report.resolve(), args.out.resolve()))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -60,7 +60,8 @@ def ideal_bits_laplace(symbols: np.ndarray, scale, mean=0.0) -> float:
     b = _safe_scale(scale, x.size)
 
     def cdf(t):
-        return np.where(t < 0, 0.5 * np.exp(t / b), 1 - 0.5 * np.exp(-t / b))
+        tail = 0.5 * np.exp(-np.abs(t) / b)  # both branches of the where are evaluated: keep exp from overflowing
+        return np.where(t < 0, tail, 1 - tail)
 
     p = np.maximum(cdf(x + 0.5) - cdf(x - 0.5), 1e-300)
     return float(-np.log2(p).sum())
@@ -109,7 +110,67 @@ def laplace_scale_mle(x: np.ndarray, axis=None) -> np.ndarray:
     return np.mean(np.abs(np.asarray(x, dtype=np.float64)), axis=axis)
 
 
+class StreamEncoder:
+    """One range-coded stream written in several batched calls, finished once.
+
+    For models that change between batches: one shared row per group of symbols (fitted histograms per
+    channel), or rows that only exist one step at a time (a language model's next-token distribution). One
+    stream pays the coder's final flush once instead of once per call.
+    """
+
+    def __init__(self) -> None:
+        self._enc = _queue.RangeEncoder()
+
+    def categorical(self, symbols: np.ndarray, probs: np.ndarray) -> None:
+        """Like :func:`encode_categorical`: one shared row ``(K,)`` or one row per symbol ``(n, K)``."""
+        s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
+        if not s.size:
+            return
+        p = np.asarray(probs, dtype=np.float64)
+        if p.ndim == 1:
+            self._enc.encode(s, _model.Categorical(p, perfect=False))
+        else:
+            self._enc.encode(s, _model.Categorical(perfect=False), np.ascontiguousarray(p))
+
+    def laplace(self, symbols: np.ndarray, scale, lo: int, hi: int, mean=0.0) -> None:
+        s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
+        if s.size and (s.min() < lo or s.max() > hi):
+            raise ValueError(f"symbols span [{s.min()}, {s.max()}], outside the coder range [{lo}, {hi}]")
+        if s.size:
+            self._enc.encode(s, _model.QuantizedLaplace(lo, hi), _as_params(mean, s.size), _safe_scale(scale, s.size))
+
+    def finish(self) -> tuple[bytes, int]:
+        return _finish(self._enc)
+
+
+class StreamDecoder:
+    """Reads a :class:`StreamEncoder` stream back with the same sequence of calls and models."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._dec = _queue.RangeDecoder(_words(raw)) if raw else None
+
+    def categorical(self, n: int, probs: np.ndarray) -> np.ndarray:
+        if n == 0:
+            return np.zeros(0, dtype=np.int32)
+        p = np.asarray(probs, dtype=np.float64)
+        if p.ndim == 1:
+            return self._decoder().decode(_model.Categorical(p, perfect=False), n).astype(np.int32)
+        return self._decoder().decode(_model.Categorical(perfect=False), np.ascontiguousarray(p)).astype(np.int32)
+
+    def laplace(self, n: int, scale, lo: int, hi: int, mean=0.0) -> np.ndarray:
+        if n == 0:
+            return np.zeros(0, dtype=np.int32)
+        model = _model.QuantizedLaplace(lo, hi)
+        return self._decoder().decode(model, _as_params(mean, n), _safe_scale(scale, n)).astype(np.int32)
+
+    def _decoder(self):
+        if self._dec is None:
+            raise ValueError("entropy-coded section is empty but symbols were expected")
+        return self._dec
+
+
 __all__ = [
+    "StreamDecoder", "StreamEncoder",
     "decode_categorical", "decode_laplace", "empirical_entropy_bits", "encode_categorical", "encode_laplace",
     "ideal_bits_categorical", "ideal_bits_laplace", "laplace_scale_mle",
 ]

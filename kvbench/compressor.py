@@ -42,6 +42,13 @@ class Compressor(abc.ABC):
         """
         return 0
 
+    def stats(self) -> dict[str, Any]:
+        """What the compressor measured along the way, summed over the run's sequences: time per stage (a model
+        pass inside decode), the model-estimated size next to the coded one. The harness files it under
+        ``compressor_stats``. Never the rate itself: that is counted from the bitstreams.
+        """
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """Name and hyperparameters, for summaries."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}

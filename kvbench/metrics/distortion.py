@@ -39,6 +39,10 @@ class DistortionAccumulator:
     def rel_mse(self, kind: str) -> float:
         return float(self.err[kind].sum() / self.energy[kind].sum())
 
+    def max_abs_err(self, kind: str) -> float:
+        """Largest absolute difference of any component, over all layers and sequences."""
+        return float(self.max_abs[kind].max())
+
     def cosine(self, kind: str) -> float:
         return float(self.cos_sum[kind].sum() / (self.vectors[kind] * len(self.cos_sum[kind])))
 

@@ -1,0 +1,373 @@
+"""Lossless byte-plane coding of the 16-bit cache: the per-vector lossless baseline.
+
+Each 16-bit pattern is split into two byte planes and each plane is entropy-coded on its own, as ZipNN does for
+model weights (Hershcovitch et al., arXiv 2411.05239) and DFloat11 for bf16 exponents (Zhang et al., arXiv
+2504.11651); both land near 1.4-1.5x on bf16, because only the exponent carries much redundancy.
+
+The split keeps the whole exponent in one byte (``split=exponent``):
+
+* float16 (s | e5 | m10): the high byte ``s e5 m2`` and the low byte ``m8``, i.e. the plain byte split. The
+  two top mantissa bits ride with the exponent: they are not uniform (leading digits of log-spread values lean
+  low) and a byte alphabet has room for them.
+* bfloat16 (s | e8 | m7): the plain byte split would cut the exponent (``s e7`` | ``e1 m7``), so the sign is
+  rotated instead: the exponent byte ``e8`` and the byte ``s m7``.
+
+``split=bytes`` is the plain high/low byte split for comparison (identical to ``exponent`` on float16).
+
+``coder=range``: every plane gets static histograms, fitted per group of symbols and charged in the stream as
+side information, then range-coded with constriction. A group is one channel (layer, head, dim), one head, one
+layer or the whole tensor (``histogram=``); ``auto`` lets the encoder pick, per plane, the grouping whose
+estimated total (data under the quantized histograms + histogram bits) is smallest: keys have fixed outlier
+channels, so their exponents pay for per-channel histograms, while near-uniform mantissas do not.
+Histograms are sent as log-count levels (``LEVELS_PER_OCTAVE`` steps per doubling), coded as Laplace-distributed
+differences between neighbouring bins; the decoder rebuilds the very same float64 rows from exact dyadic values.
+``coder=lzma|zlib``: the same planes, channel-major, through a general-purpose coder from the standard library.
+"""
+
+from __future__ import annotations
+
+import lzma
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvbench.bitstream import Bitstream
+from kvbench.compressor import Compressor, check_choice
+from kvbench.entropy import StreamDecoder, StreamEncoder, ideal_bits_laplace
+from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
+
+CODERS = ("range", "lzma", "zlib")
+SPLITS = ("exponent", "bytes")
+HISTOGRAMS = ("auto", "channel", "head", "layer", "tensor")
+GROUPINGS = HISTOGRAMS[1:]
+
+#: histogram precision: a count c > 0 is sent as level 1 + round(2 log2 c), i.e. within 2^(1/4) = 19% of itself.
+#: Coarse on purpose: on SmolLM2 traces 2 levels per doubling beat 1, 3, 4, 6 and 8 (finer histograms cost more
+#: side information than the better fit saves; see results/lossless_recompute.md)
+LEVELS_PER_OCTAVE = 2
+#: 2^(j/2) rounded to 1/64: exact in float64, so encoder and decoder build bit-identical probability rows
+_MANTISSAS = np.array([64, 91], dtype=np.float64) / 64
+_MAX_LEVEL = 127
+_LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6}]
+
+
+def to_planes(x: torch.Tensor, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The two byte planes of a 16-bit tensor, same shape, uint8: (exponent-holding plane, the rest)."""
+    u = x.detach().contiguous().cpu().view(torch.int16).numpy().view(np.uint16)
+    if x.dtype == torch.bfloat16 and split == "exponent":
+        return ((u >> 7) & 0xFF).astype(np.uint8), (((u >> 8) & 0x80) | (u & 0x7F)).astype(np.uint8)
+    return (u >> 8).astype(np.uint8), (u & 0xFF).astype(np.uint8)
+
+
+def from_planes(a: np.ndarray, b: np.ndarray, dtype: torch.dtype, split: str) -> torch.Tensor:
+    """Inverse of :func:`to_planes`."""
+    a16, b16 = a.astype(np.uint16), b.astype(np.uint16)
+    if dtype == torch.bfloat16 and split == "exponent":
+        u = ((b16 & 0x80) << 8) | (a16 << 7) | (b16 & 0x7F)
+    else:
+        u = (a16 << 8) | b16
+    return torch.from_numpy(u.view(np.int16).copy()).view(dtype)
+
+
+def plane_names(dtype: torch.dtype, split: str) -> tuple[str, str]:
+    return ("exp", "mant") if split == "exponent" else ("hi", "lo")
+
+
+def _groups(plane: np.ndarray, grouping: str) -> np.ndarray:
+    """``(L, H, T, D)`` -> ``(G, n)`` channel-major, so that every grouping is a plain reshape."""
+    L, H, T, D = plane.shape
+    cm = np.ascontiguousarray(plane.transpose(0, 1, 3, 2))  # (L, H, D, T)
+    return cm.reshape({"channel": L * H * D, "head": L * H, "layer": L, "tensor": 1}[grouping], -1)
+
+
+def _ungroup(groups: np.ndarray, shape: tuple[int, int, int, int]) -> np.ndarray:
+    L, H, T, D = shape
+    return np.ascontiguousarray(groups.reshape(L, H, D, T).transpose(0, 1, 3, 2))  # (L, H, T, D)
+
+
+def count_levels(counts: np.ndarray) -> np.ndarray:
+    """Counts -> levels: 0 for an empty bin, else 1 + round(LEVELS_PER_OCTAVE * log2 c)."""
+    lv = 1 + np.rint(LEVELS_PER_OCTAVE * np.log2(np.maximum(counts, 1))).astype(np.int64)
+    return np.where(counts > 0, lv, 0)
+
+
+def level_weights(levels: np.ndarray) -> np.ndarray:
+    """Levels -> unnormalized probabilities, exact dyadic float64 (no libm call: identical on every machine)."""
+    j = np.maximum(levels - 1, 0)
+    w = np.ldexp(_MANTISSAS[j % LEVELS_PER_OCTAVE], (j // LEVELS_PER_OCTAVE).astype(np.int32))
+    return np.where(levels > 0, w, 0.0)
+
+
+def _starts(width: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(width + 1)[:-1]]).astype(np.int64)
+
+
+@dataclass
+class Histograms:
+    """Per-group histograms as side information: occupied range per group, then log-count levels inside it.
+
+    Coded as Laplace-distributed differences (a group's range and first level against the previous group's,
+    the other levels bin to bin) under four scales that travel as float32 in the stream header.
+    """
+
+    lo: np.ndarray  # (G,) first occupied bin
+    hi: np.ndarray  # (G,) last occupied bin
+    levels: np.ndarray  # (G, B)
+
+    @classmethod
+    def fit(cls, counts: np.ndarray) -> Histograms:
+        occupied = counts > 0
+        lo = occupied.argmax(1).astype(np.int64)
+        hi = (counts.shape[1] - 1 - occupied[:, ::-1].argmax(1)).astype(np.int64)
+        return cls(lo, hi, count_levels(counts))
+
+    def _symbols(self) -> tuple[np.ndarray, np.ndarray]:
+        width = self.hi - self.lo
+        support = np.concatenate([np.diff(self.lo, prepend=0), np.diff(width, prepend=0)])
+        bins = np.arange(self.levels.shape[1])
+        vals = self.levels[(bins >= self.lo[:, None]) & (bins <= self.hi[:, None])]  # group by group
+        starts = _starts(width)
+        prev = np.roll(vals, 1)
+        prev[starts] = np.concatenate([[0], vals[starts[:-1]]])
+        return support, vals - prev
+
+    def scales(self) -> np.ndarray:
+        """Mean |difference| of (lo, width, first levels, other levels), as stored: float32."""
+        support, diffs = self._symbols()
+        G = self.lo.size
+        first = np.zeros(diffs.size, dtype=bool)
+        first[_starts(self.hi - self.lo)] = True
+        parts = [support[:G], support[G:], diffs[first], diffs[~first]]
+        return np.array([max(float(np.abs(q).mean()) if q.size else 0.0, 0.05) for q in parts], dtype=np.float32)
+
+    @staticmethod
+    def _level_scales(scales: np.ndarray, width: np.ndarray) -> np.ndarray:
+        per = np.full(int((width + 1).sum()), float(scales[3]))
+        per[_starts(width)] = float(scales[2])
+        return per
+
+    def encode(self, stream: StreamEncoder, scales: np.ndarray) -> None:
+        support, diffs = self._symbols()
+        stream.laplace(support, np.repeat(scales[:2].astype(np.float64), self.lo.size), -255, 255)
+        stream.laplace(diffs, self._level_scales(scales, self.hi - self.lo), -_MAX_LEVEL, _MAX_LEVEL)
+
+    def ideal_bits(self, scales: np.ndarray) -> float:
+        support, diffs = self._symbols()
+        return (ideal_bits_laplace(support, np.repeat(scales[:2].astype(np.float64), self.lo.size))
+                + ideal_bits_laplace(diffs, self._level_scales(scales, self.hi - self.lo)))
+
+    @classmethod
+    def decode(cls, stream: StreamDecoder, scales: np.ndarray, G: int, bins: int) -> Histograms:
+        sup = stream.laplace(2 * G, np.repeat(scales[:2].astype(np.float64), G), -255, 255).astype(np.int64)
+        lo = np.cumsum(sup[:G])
+        hi = lo + np.cumsum(sup[G:])
+        if G and (lo.min() < 0 or hi.max() >= bins or (hi < lo).any()):
+            raise ValueError("lossless: histogram range out of bounds (corrupted or mismatched stream)")
+        width = hi - lo
+        d = stream.laplace(int((width + 1).sum()), cls._level_scales(scales, width), -_MAX_LEVEL, _MAX_LEVEL)
+        d = d.astype(np.int64)
+        starts = _starts(width)
+        firsts = np.cumsum(d[starts])
+        d[starts] = firsts
+        c = np.cumsum(d)
+        levels = np.zeros((G, bins), dtype=np.int64)
+        b = np.arange(bins)
+        levels[(b >= lo[:, None]) & (b <= hi[:, None])] = c - (c[starts] - firsts)[np.repeat(np.arange(G), width + 1)]
+        return cls(lo, hi, levels)
+
+
+@dataclass
+class PlaneModel:
+    """Probability rows for one byte plane: ``p(byte | group) = p(field | group) * p(rest | field)``.
+
+    ``field`` is the byte's top ``8 - shift`` bits (sign and exponent) with a histogram per group; ``rest`` is
+    its low ``shift`` bits (mantissa bits that share the byte) with one conditional table for the whole plane.
+    ``shift=0`` is a plain per-group byte histogram.
+    """
+
+    shift: int
+    field: Histograms  # (G, 256 >> shift)
+    joint: Histograms | None  # (1, 256) for shift > 0
+
+    @classmethod
+    def fit(cls, counts: np.ndarray, shift: int) -> PlaneModel:
+        """``counts``: ``(G, 256)`` byte counts per group."""
+        G = counts.shape[0]
+        field = Histograms.fit(counts.reshape(G, 256 >> shift, 1 << shift).sum(2))
+        return cls(shift, field, Histograms.fit(counts.sum(0, keepdims=True)) if shift else None)
+
+    def rows(self) -> np.ndarray:
+        """``(G, 256)`` unnormalized float64 rows, computed by the same exact float ops on both sides."""
+        wf = level_weights(self.field.levels)  # (G, F)
+        if not self.shift:
+            return wf
+        wj = level_weights(self.joint.levels[0]).reshape(256 >> self.shift, 1 << self.shift)  # (F, R)
+        tot = wj.sum(1, keepdims=True)
+        cond = np.divide(wj, tot, out=np.zeros_like(wj), where=tot > 0)
+        return (wf[:, :, None] * cond[None]).reshape(wf.shape[0], 256)
+
+    def ideal_data_bits(self, counts: np.ndarray) -> float:
+        w = self.rows()
+        p = w / w.sum(1, keepdims=True)
+        return float(-(counts * np.log2(np.where(counts > 0, p, 1.0))).sum())
+
+    def scales(self) -> np.ndarray:
+        return np.concatenate([self.field.scales(), self.joint.scales() if self.joint else np.zeros(0, np.float32)])
+
+    def side_ideal_bits(self, scales: np.ndarray) -> float:
+        return self.field.ideal_bits(scales[:4]) + (self.joint.ideal_bits(scales[4:]) if self.joint else 0.0)
+
+    def encode_side(self, stream: StreamEncoder, scales: np.ndarray) -> None:
+        self.field.encode(stream, scales[:4])
+        if self.joint:
+            self.joint.encode(stream, scales[4:])
+
+    @classmethod
+    def decode_side(cls, stream: StreamDecoder, scales: np.ndarray, G: int, shift: int) -> PlaneModel:
+        field = Histograms.decode(stream, scales[:4], G, 256 >> shift)
+        return cls(shift, field, Histograms.decode(stream, scales[4:], 1, 256) if shift else None)
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per group, the byte range its row can produce (the field range times all rest values)."""
+        return self.field.lo << self.shift, ((self.field.hi + 1) << self.shift) - 1
+
+
+def _counts(groups: np.ndarray) -> np.ndarray:
+    G = groups.shape[0]
+    offs = (np.arange(G, dtype=np.int64)[:, None] * 256 + groups).reshape(-1)
+    return np.bincount(offs, minlength=G * 256).reshape(G, 256)
+
+
+def choose_grouping(plane: np.ndarray, shift: int) -> tuple[str, dict[str, float]]:
+    """The grouping with the smallest estimated size (data under the quantized model + its side information)."""
+    L, H, T, D = plane.shape
+    ch = _counts(_groups(plane, "channel"))  # (L*H*D, 256)
+    by = {
+        "channel": ch,
+        "head": ch.reshape(L * H, D, 256).sum(1),
+        "layer": ch.reshape(L, H * D, 256).sum(1),
+        "tensor": ch.sum(0, keepdims=True),
+    }
+    est = {}
+    for name, c in by.items():
+        m = PlaneModel.fit(c, shift)
+        est[name] = m.ideal_data_bits(c) + m.side_ideal_bits(m.scales())
+    return min(est, key=est.get), est
+
+
+def field_shift(dtype: torch.dtype, split: str, plane_index: int) -> int:
+    """Mantissa bits that share the exponent's byte: 2 for float16's high byte; none for bfloat16's ``e8``."""
+    return 2 if plane_index == 0 and dtype == torch.float16 else 0
+
+
+@dataclass
+class Lossless(Compressor):
+    """Bit-exact byte-plane entropy coding (ZipNN arXiv 2411.05239 / DFloat11 arXiv 2504.11651 style)."""
+
+    coder: str = "range"
+    split: str = "exponent"
+    histogram: str = "auto"
+
+    name = "lossless"
+    lossless = True
+
+    def __post_init__(self) -> None:
+        check_choice("lossless", "coder", self.coder, CODERS)
+        check_choice("lossless", "split", self.split, SPLITS)
+        check_choice("lossless", "histogram", self.histogram, HISTOGRAMS)
+        self._stats: Counter = Counter()
+
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
+        if kv.k.dtype not in SIXTEEN_BIT:
+            raise ValueError(f"lossless codes 16-bit caches ({SIXTEEN_BIT}); got {kv.k.dtype}")
+        names = plane_names(kv.k.dtype, self.split)
+        sections: dict[str, bytes | tuple[bytes, int]] = {}
+        header = bytearray()
+        for kind, x in (("k", kv.k), ("v", kv.v)):
+            for i, (pname, plane) in enumerate(zip(names, to_planes(x, self.split))):
+                key = f"{kind}.{pname}"
+                if self.coder != "range":
+                    sections[key] = _general_compress(self.coder, _groups(plane, "tensor").tobytes())
+                    continue
+                shift = field_shift(kv.k.dtype, self.split, i)
+                grouping = self.histogram if self.histogram != "auto" else choose_grouping(plane, shift)[0]
+                self._stats[f"histogram.{key}.{grouping}"] += 1
+                side, data, scales, ideal = _range_encode(_groups(plane, grouping), shift)
+                header += bytes([GROUPINGS.index(grouping)]) + scales.astype("<f4").tobytes()
+                sections[f"{key}.hist"], sections[key] = side, data
+                self._stats["ideal_bits"] += ideal
+        if self.coder == "range":
+            sections = {"header": bytes(header), **sections}
+        return Bitstream.pack(self.name, sections)
+
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
+        sec = bs.sections(expect=self.name)
+        names = plane_names(ctx.dtype, self.split)
+        L, H, T, D = ctx.shape
+        header, pos, out = sec.get("header", b""), 0, []
+        for kind in ("k", "v"):
+            planes = []
+            for i, pname in enumerate(names):
+                key = f"{kind}.{pname}"
+                if self.coder != "range":
+                    raw = _general_decompress(self.coder, sec[key])
+                    planes.append(_ungroup(np.frombuffer(raw, dtype=np.uint8), ctx.shape))
+                    continue
+                shift = field_shift(ctx.dtype, self.split, i)
+                n_scales = 8 if shift else 4
+                if pos + 1 + 4 * n_scales > len(header) or header[pos] >= len(GROUPINGS):
+                    raise ValueError("lossless: stream header does not match this compressor's settings")
+                grouping = GROUPINGS[header[pos]]
+                scales = np.frombuffer(header[pos + 1 : pos + 1 + 4 * n_scales], dtype="<f4")
+                pos += 1 + 4 * n_scales
+                G = _groups(np.zeros((L, H, 1, D), np.uint8), grouping).shape[0]
+                groups = _range_decode(sec[f"{key}.hist"], sec[key], scales, G, L * H * T * D // G, shift)
+                planes.append(_ungroup(groups, ctx.shape))
+            out.append(from_planes(*planes, ctx.dtype, self.split))
+        return KVSequence(out[0], out[1])
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+
+def _range_encode(groups: np.ndarray, shift: int):
+    """Side information and data of one plane arranged ``(G, n)``; also the scales and the model's estimate."""
+    counts = _counts(groups)  # (G, 256)
+    model = PlaneModel.fit(counts, shift)
+    scales = model.scales()
+    side = StreamEncoder()
+    model.encode_side(side, scales)
+    rows = model.rows()  # (G, 256)
+    lo, hi = model.spans()
+    data = StreamEncoder()
+    for g in np.flatnonzero(hi > lo):  # a group with a one-symbol range is known from the side information
+        data.categorical(groups[g].astype(np.int32) - lo[g], rows[g, lo[g] : hi[g] + 1])
+    ideal = model.ideal_data_bits(counts) + model.side_ideal_bits(scales)
+    return side.finish(), data.finish(), scales, ideal
+
+
+def _range_decode(side_raw: bytes, data_raw: bytes, scales: np.ndarray, G: int, n: int, shift: int) -> np.ndarray:
+    model = PlaneModel.decode_side(StreamDecoder(side_raw), scales, G, shift)
+    rows = model.rows()
+    lo, hi = model.spans()
+    data = StreamDecoder(data_raw)
+    out = np.repeat(lo[:, None], n, axis=1).astype(np.uint8)  # (G, n)
+    for g in np.flatnonzero(hi > lo):
+        out[g] = data.categorical(n, rows[g, lo[g] : hi[g] + 1]) + lo[g]
+    return out
+
+
+def _general_compress(coder: str, raw: bytes) -> bytes:
+    if coder == "lzma":
+        return lzma.compress(raw, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+    c = zlib.compressobj(level=9, wbits=-15)  # raw deflate: no zlib header or Adler-32 (the frame has a CRC)
+    return c.compress(raw) + c.flush()
+
+
+def _general_decompress(coder: str, raw: bytes) -> bytes:
+    if coder == "lzma":
+        return lzma.decompress(raw, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+    return zlib.decompress(raw, wbits=-15)

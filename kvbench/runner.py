@@ -23,6 +23,7 @@ from kvbench.metrics.task import continuation_nll
 from kvbench.models import ModelHandle
 from kvbench.paths import results_root
 from kvbench.timing import Stopwatch
+from kvbench.workloads import selected as workload_selected
 
 
 def config_hash(cfg_dict: dict) -> str:
@@ -40,6 +41,10 @@ def run_dir_for(cfg_dict: dict, compressor: Compressor) -> Path:
 def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None) -> tuple[dict, list[dict]]:
     """Run one cell and return ``(summary, rows)``. ``cfg`` is the resolved run config (DictConfig or alike)."""
     handle = handle or ModelHandle(cfg.model, cfg.device)
+    if workload_selected(cfg.get("workload")):  # many sessions instead of the dataset's windows
+        from kvbench.workload_runner import measure_workload
+
+        return measure_workload(cfg, compressor, handle)
     trace = load_or_capture(cfg, handle)
     dtype = cache_dtype(cfg.dtype)
     if trace.manifest["dtype"] != cfg.dtype:

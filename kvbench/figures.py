@@ -27,8 +27,6 @@ BOUND_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
 # Keys that later summaries may carry (workload statistics, eval outputs): the first one present is used.
 SHARE_RATE_KEYS = ("sharing.share_rate", "share_rate")
 DEDUP_KEYS = ("sharing.dedup_ratio", "dedup_ratio")
-ACC_DELTA_KEYS = ("delta_acc", "accuracy_delta", "delta_accuracy", "acc_delta")
-ACC_STDERR_KEYS = ("delta_acc_stderr", "accuracy_delta_stderr", "delta_accuracy_stderr", "acc_delta_stderr")
 
 
 def _finite(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
@@ -71,6 +69,8 @@ def _log_if_spans(ax, axis: str, values, base: float = 10, span: float = 10) -> 
     if v.size and (v > 0).all() and v.max() / v.min() >= span:
         which = ax.xaxis if axis == "x" else ax.yaxis
         (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
+        if base == 10 and v.max() / v.min() < 1e3:  # a decade or two: label 1, 2, 5, 10, 20, 50
+            which.set_major_locator(ticker.LogLocator(base=10, subs=(1, 2, 5)))
         which.set_major_formatter(ticker.FuncFormatter(lambda t, _: f"{t:g}"))
         which.set_minor_formatter(ticker.NullFormatter())
 
@@ -235,40 +235,71 @@ def prefix_sharing(df: pd.DataFrame):
     return fig, ""
 
 
-def accuracy(df: pd.DataFrame):
-    """Task-accuracy regression per compressor and task, with error bars when summaries give a stderr."""
-    y = _first(df, ACC_DELTA_KEYS)
-    if y is None:
-        return None, "no eval summary (no accuracy-regression key such as delta_acc)"
-    d = _finite(df, y)
-    err = _first(d, ACC_STDERR_KEYS)
-    task = next((k for k in ("task", "tasks", "cfg.task") if k in d), None)
+def accuracy(ev: pd.DataFrame):
+    """Task-accuracy change (compressed minus 16-bit, same examples) per task and compressor, 95% intervals."""
+    d = _finite(ev, "diff")
+    if d.empty or "task" not in d:
+        return None, "no eval summary (python -m kvbench eval)"
     d["series"] = series_label(d, exclude=())
-    d["task_label"] = d[task].astype(str) if task else "all tasks"
-    tasks = sorted(d["task_label"].unique())
-    series = sorted(d["series"].unique())
-    width = 0.8 / max(len(series), 1)
+    facets = _facets(d.drop(columns=[c for c in ("dataset", "workload") if c in d]))
     with rc_context(STYLE):
-        fig = Figure(figsize=(max(3.4, 0.9 * len(tasks) * max(1, len(series)) ** 0.5 + 1.5), 2.8), layout="constrained")
-        ax = fig.subplots()
-        for i, name in enumerate(series):
-            s = d[d["series"] == name].groupby("task_label")
-            mean = s[y].mean().reindex(tasks)
-            e = s[err].mean().reindex(tasks) if err else None
-            pos = np.arange(len(tasks)) + (i - (len(series) - 1) / 2) * width
-            ax.bar(pos, 100 * mean.to_numpy(float), width, label=name,
-                   yerr=None if e is None else 100 * 1.96 * e.to_numpy(float), capsize=2)
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.set_xticks(np.arange(len(tasks)), tasks, rotation=20, ha="right")
-        ax.set_ylabel("accuracy change vs 16-bit (points)" + (", 95% CI" if err else ""))
+        fig, axes = _grid(len(facets), ncols_max=1, w=max(3.4, 0.55 * d["task"].nunique() + 1.5))
+        for ax, (title, g) in zip(axes, facets):
+            tasks = sorted(g["task"].astype(str).unique())
+            series = sorted(g["series"].unique())
+            width = 0.8 / len(series)
+            for i, name in enumerate(series):
+                s = g[g["series"] == name].groupby("task")
+                mean = s["diff"].mean().reindex(tasks).to_numpy(float)
+                err = s["stderr_diff"].mean().reindex(tasks).to_numpy(float) if "stderr_diff" in g else None
+                pos = np.arange(len(tasks)) + (i - (len(series) - 1) / 2) * width
+                ax.bar(pos, 100 * mean, width, label=name, yerr=None if err is None else 196 * err, capsize=2)
+            ax.axhline(0, color="black", linewidth=0.6)
+            ax.set_xticks(np.arange(len(tasks)), tasks, rotation=20, ha="right")
+            ax.set_ylabel("accuracy change vs 16-bit (points, 95% CI)")
+            ax.set_title(title)
     _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
     return fig, ""
 
 
-FIGURES: dict[str, Callable[[pd.DataFrame], tuple[Figure | None, str]]] = {
-    "rate_distortion": rate_distortion,
-    "context_length": context_length,
-    "throughput_vs_ratio": throughput,
-    "prefix_sharing": prefix_sharing,
-    "accuracy_regression": accuracy,
+def latency_vs_memory(lat: pd.DataFrame):
+    """Decode tokens/s against the bytes the cache holds, per context length: the memory-throughput trade."""
+    d = _finite(lat, "tokens_per_s", "bytes_held", "context")
+    if d.empty:
+        return None, "no latency summary (python -m kvbench latency)"
+    d["series"] = series_label(d, exclude=())
+    if "cache" in d:
+        d.loc[d["cache"].astype(str) == "dynamic", "series"] = "DynamicCache (16-bit)"
+    d = d.drop_duplicates(["model", "series", "context"]) if "model" in d else d
+    facets = _facets(d.drop(columns=[c for c in ("dataset", "workload") if c in d]))
+    contexts = sorted(d["context"].unique())
+    markers = dict(zip(contexts, "osD^v<>p*h"))
+    with rc_context(STYLE):
+        fig, axes = _grid(len(facets))
+        for ax, (title, g) in zip(axes, facets):
+            for i, (name, s) in enumerate(g.groupby("series", sort=True)):
+                s = s.sort_values("context")
+                ax.plot(s["bytes_held"] / 1e6, s["tokens_per_s"], color=f"C{i % 10}", linewidth=0.8, label=name)
+                for _, r in s.iterrows():
+                    ax.scatter(r["bytes_held"] / 1e6, r["tokens_per_s"], color=f"C{i % 10}", marker=markers[r["context"]],
+                               zorder=3)
+            for c, m in markers.items():
+                ax.scatter([], [], color="grey", marker=m, label=f"{int(c)} tokens")
+            _log_if_spans(ax, "x", g["bytes_held"] / 1e6)
+            _log_if_spans(ax, "y", g["tokens_per_s"])
+            ax.set_xlabel("KV cache held (MB)")
+            ax.set_ylabel("decode throughput (tokens/s)")
+            ax.set_title(title)
+    _legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
+# name -> (table of the collection it reads, builder)
+FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure | None, str]]]] = {
+    "rate_distortion": ("runs", rate_distortion),
+    "context_length": ("runs", context_length),
+    "throughput_vs_ratio": ("runs", throughput),
+    "prefix_sharing": ("runs", prefix_sharing),
+    "accuracy_regression": ("evals", accuracy),
+    "latency_vs_memory": ("latency", latency_vs_memory),
 }

@@ -25,8 +25,10 @@ import pandas as pd
 
 from kvbench.paths import results_root
 
+# A run dir's summary file names its kind: compression cells (`run`), task accuracy (`eval`), end-to-end latency.
+SUMMARY_FILES = {"summary.json": "run", "eval.json": "eval", "latency.json": "latency"}
 # Files that mark a directory as a run, finished or not.
-RUN_FILES = ("summary.json", "rows.parquet")
+RUN_FILES = (*SUMMARY_FILES, "rows.parquet", "eval.parquet", "latency.parquet")
 # Headline columns: (summary key, Markdown header, LaTeX header, format). Missing keys are left out of the table.
 COLUMNS = [
     ("model", "model", "model", "s"),
@@ -55,8 +57,10 @@ NLL_TOLERANCE = 0.01  # "at <= 1% NLL regression"
 
 @dataclass
 class Collection:
-    table: pd.DataFrame
+    table: pd.DataFrame  # one row per compression cell (summary.json)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (eval run, task)
+    latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -72,15 +76,16 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _read_summary(path: Path) -> dict:
-    """The flattened summary of one run dir, with its config (``cfg.*``) when ``config.json`` is there."""
+def _read_summary(path: Path) -> tuple[dict, dict]:
+    """The flattened summary of one run dir, with its config (``cfg.*``) when ``config.json`` is there, and the raw
+    summary (whose per-task and per-context lists become rows of their own tables)."""
     try:
         summary = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"unreadable summary.json ({type(e).__name__}: {e})") from e
+        raise ValueError(f"unreadable {path.name} ({type(e).__name__}: {e})") from e
     if not isinstance(summary, dict) or "compressor" not in summary:
         raise ValueError("not a kvbench summary (no 'compressor' key)")
-    row = _flatten({k: v for k, v in summary.items() if k != "config"})
+    row = _flatten({k: v for k, v in summary.items() if k not in ("config", "tasks", "rows")})
     cfg = summary.get("config")
     cfg_file = path.parent / "config.json"
     if not isinstance(cfg, dict) and cfg_file.exists():
@@ -90,12 +95,16 @@ def _read_summary(path: Path) -> dict:
             cfg = None
     if isinstance(cfg, dict):
         row.update(_flatten(cfg, "cfg."))
-    return row
+    return row, summary
+
+
+def _explode(row: dict, items: list[dict]) -> list[dict]:
+    return [{**row, **_flatten(item)} for item in items if isinstance(item, dict)]
 
 
 def collect(dirs: Iterable[str | Path]) -> Collection:
-    """Read every ``summary.json`` under ``dirs``; list the dirs that could not be read instead of failing."""
-    rows, skipped, seen = [], [], set()
+    """Read every run summary under ``dirs``; list the dirs that could not be read instead of failing."""
+    rows, evals, latency, skipped, seen = [], [], [], [], set()
     for d in map(Path, dirs):
         if not d.exists():
             skipped.append((d, "no such directory"))
@@ -110,19 +119,25 @@ def collect(dirs: Iterable[str | Path]) -> Collection:
                 # staged_dir() renames a finished run into place; a hidden one is a killed cell's leftovers
                 skipped.append((run_dir, "staging directory of an unfinished or killed run"))
                 continue
-            summary = run_dir / "summary.json"
-            if not summary.exists():
-                skipped.append((run_dir, "no summary.json (unfinished or killed run)"))
+            found = [name for name in SUMMARY_FILES if (run_dir / name).exists()]
+            if not found:
+                skipped.append((run_dir, "no summary.json, eval.json or latency.json (unfinished or killed run)"))
                 continue
-            try:
-                row = _read_summary(summary)
-            except ValueError as e:
-                skipped.append((run_dir, str(e)))
-                continue
-            row["run_dir"] = str(run_dir)
-            row["run_id"] = run_dir.name
-            rows.append(row)
-    return Collection(_derive(pd.DataFrame(rows)), skipped)
+            for name in found:
+                try:
+                    row, raw = _read_summary(run_dir / name)
+                except ValueError as e:
+                    skipped.append((run_dir, str(e)))
+                    continue
+                row.update(run_dir=str(run_dir), run_id=run_dir.name, kind=SUMMARY_FILES[name])
+                if name == "eval.json":
+                    tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
+                    evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
+                elif name == "latency.json":
+                    latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+                else:
+                    rows.append(row)
+    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)))
 
 
 def _num(df: pd.DataFrame, col: str) -> pd.Series:
@@ -269,6 +284,34 @@ BEST_COLUMNS = [
 ]
 
 
+EVAL_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("params", "params", "params", "s"),
+    ("bits_per_element", "bits/elt", "bits/elt", ".3f"),
+    ("task", "task", "task", "s"),
+    ("n", "n", "n", "d"),
+    ("acc_base", "acc 16-bit", "acc 16-bit", ".3f"),
+    ("acc_comp", "acc compressed", "acc compressed", ".3f"),
+    ("diff", "diff", "diff", "+.3f"),
+    ("stderr_diff", "stderr", "stderr", ".3f"),
+    ("mcnemar_p", "McNemar p", "McNemar $p$", ".3g"),
+]
+LATENCY_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("params", "params", "params", "s"),
+    ("context", "context", "context", "d"),
+    ("cache", "cache", "cache", "s"),
+    ("prefill_s", "prefill s", "prefill s", ".3f"),
+    ("compress_s", "compress s", "compress s", ".3f"),
+    ("decode_median_ms", "decode ms (median)", "decode ms (median)", ".1f"),
+    ("decode_p95_ms", "decode ms (p95)", "decode ms (p95)", ".1f"),
+    ("tokens_per_s", "tokens/s", "tokens/s", ".1f"),
+    ("bytes_held", "bytes held", "bytes held", ",.0f"),
+]
+
+
 def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...] = ("png", "pdf")) -> dict:
     """Collect, write tables and figures into ``out``; return what was written and skipped."""
     from kvbench.atomic import write_with
@@ -292,6 +335,10 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
     text("best_at_1pct_nll.md", to_markdown(best, BEST_COLUMNS) if not best.empty
          else "_no run has both delta_nll and nll_base_\n")
     text("best_at_1pct_nll.tex", to_latex(best, BEST_COLUMNS, "highest ratio at <= 1% NLL regression"))
+    for name, table, columns in (("eval", got.evals, EVAL_COLUMNS), ("latency", got.latency, LATENCY_COLUMNS)):
+        if not table.empty:
+            text(f"{name}.md", to_markdown(table, columns))
+            text(f"{name}.tex", to_latex(table, columns, f"{name}: {table['run_id'].nunique()} runs"))
     if got.skipped:
         text("skipped.txt", "".join(f"{p}\t{why}\n" for p, why in got.skipped))
     elif (out / "skipped.txt").exists():
@@ -299,8 +346,9 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
 
     figures, empty = {}, {}
     fig_dir = out / "figures"
-    for name, make in FIGURES.items():
-        fig, why = make(df)
+    tables = {"runs": df, "evals": got.evals, "latency": got.latency}
+    for name, (table, make) in FIGURES.items():
+        fig, why = make(tables[table])
         if fig is None:
             empty[name] = why
             continue
@@ -312,7 +360,8 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
             paths.append(p)
         figures[name] = paths
         written += paths
-    return {"rows": len(df), "written": written, "skipped": got.skipped, "figures": figures, "empty": empty}
+    return {"rows": len(df), "evals": len(got.evals), "latency": len(got.latency), "written": written,
+            "skipped": got.skipped, "figures": figures, "empty": empty}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,12 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     res = write_report(args.dirs, out, formats)
     for p, why in res["skipped"]:
         print(f"skipped {p}: {why}", file=sys.stderr)
-    print(f"{res['rows']} runs -> {out}")
+    print(f"{res['rows']} runs, {res['evals']} eval rows, {res['latency']} latency rows -> {out}")
     for name, paths in res["figures"].items():
         print(f"  figure {name}: {', '.join(p.name for p in paths)}")
     for name, why in res["empty"].items():
         print(f"  figure {name}: nothing to plot ({why})")
-    if res["rows"] == 0:
-        print("error: no readable summary.json under " + " ".join(map(str, args.dirs)), file=sys.stderr)
+    if res["rows"] + res["evals"] + res["latency"] == 0:
+        print("error: no readable run summary under " + " ".join(map(str, args.dirs)), file=sys.stderr)
         return 1
     return 0

@@ -38,12 +38,31 @@ def runs(tmp_path):
         d.mkdir(parents=True)
         (d / "summary.json").write_text(json.dumps(c))
         (d / "config.json").write_text(json.dumps({"dataset": {"seq_len": 1024}}))
+    for bits, drop in ((2, -0.04), (4, -0.005)):  # eval and latency runs, as `kvbench eval` / `latency` write them
+        task = {"n": 50, "acc_base": 0.6, "acc_comp": 0.6 + drop, "diff": drop, "stderr_diff": 0.01, "mcnemar_p": 0.3}
+        d = tmp_path / "runs" / f"eval-kivi-{bits}"
+        d.mkdir()
+        (d / "eval.json").write_text(json.dumps({
+            "compressor": "kivi", "model": "smollm2_135m", "kind": "eval", "bits_per_element": bits + 0.5,
+            "compressor_params": {"name": "kivi", "bits": bits}, "tasks": {"passkey_1024": task, "implicatures": task},
+            "overall": task}))
+        d = tmp_path / "runs" / f"latency-kivi-{bits}"
+        d.mkdir()
+        rows = [{"context": T, "cache": cache, "tokens_per_s": 30.0 - T / 200, "decode_median_ms": 30.0,
+                 "bytes_held": T * 11520 * (2 if cache == "dynamic" else bits / 8 + 0.1)}
+                for T in (512, 2048) for cache in ("dynamic", "compressed")]
+        (d / "latency.json").write_text(json.dumps({
+            "compressor": "kivi", "model": "smollm2_135m", "dataset": "sotu", "kind": "latency", "rows": rows,
+            "compressor_params": {"name": "kivi", "bits": bits}}))
     return tmp_path / "runs"
 
 
 def test_collect_flattens_and_derives(runs):
-    df = collect([runs, runs / "kivi-000"]).table  # the same dir twice is read once
-    assert len(df) == 8
+    got = collect([runs, runs / "kivi-000"])  # the same dir twice is read once
+    df = got.table
+    assert len(df) == 8 and not got.skipped
+    assert len(got.evals) == 4 and set(got.evals["task"]) == {"passkey_1024", "implicatures"}
+    assert len(got.latency) == 8 and set(got.latency["cache"]) == {"dynamic", "compressed"}
     assert set(df["context_len"]) == {1024}
     assert df.loc[df["compressor"] == "identity", "x_bound"].item() == pytest.approx(16 * 11520 / 4.0)
     assert df.loc[df["run_id"] == "kivi-000", "params"].item() == "bits=2 group_size=32"
@@ -86,15 +105,18 @@ def test_pareto_front():
     assert list(pareto_front(np.array([1.0, 1.0]), np.array([5.0, 5.0]))) == [0]
 
 
-def test_every_figure_builds_from_summaries_that_carry_its_keys(runs, tmp_path):
+def test_every_figure_and_table_builds_from_summaries_that_carry_its_keys(runs, tmp_path):
     res = write_report([runs], tmp_path / "out", ("png",))
-    assert res["rows"] == 8
-    for name in ("rate_distortion", "context_length", "throughput_vs_ratio", "prefix_sharing"):
+    assert res["rows"] == 8 and res["evals"] == 4 and res["latency"] == 8
+    assert set(res["figures"]) == set(FIGURES) and not res["empty"]
+    for name in FIGURES:
         assert (tmp_path / "out" / "figures" / f"{name}.png").stat().st_size > 1000, name
-    assert set(res["empty"]) == {"accuracy_regression"}
+    ev = (tmp_path / "out" / "eval.md").read_text().splitlines()
+    assert len(ev) == 2 + 4 and "| -0.040 |" in ev[2] + ev[3]
+    assert len((tmp_path / "out" / "latency.md").read_text().splitlines()) == 2 + 8
 
 
 def test_figures_with_nothing_to_plot_say_why():
-    for name, make in FIGURES.items():
+    for name, (_, make) in FIGURES.items():
         fig, why = make(pd.DataFrame({"compressor": ["x"], "model": ["m"], "dataset": ["d"]}))
         assert fig is None and why, name

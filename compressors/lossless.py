@@ -17,8 +17,12 @@ The split keeps the whole exponent in one byte (``split=exponent``):
 ``coder=range``: every plane gets static histograms, fitted per group of symbols and charged in the stream as
 side information, then range-coded with constriction. A group is one channel (layer, head, dim), one head, one
 layer or the whole tensor (``histogram=``); ``auto`` lets the encoder pick, per plane, the grouping whose
-estimated total (data under the quantized histograms + histogram bits) is smallest: keys have fixed outlier
-channels, so their exponents pay for per-channel histograms, while near-uniform mantissas do not.
+estimated total (data under the quantized histograms + histogram bits) is smallest, or stores the plane as it
+is when nothing beats 8 bits per byte: keys have fixed outlier channels, so their exponents pay for per-channel
+histograms, while near-uniform mantissas do not (float16's low mantissa byte is stored raw).
+For float16 the high byte also holds the top two mantissa bits: it is modelled as p(s e5 | group) x p(m2 | s e5),
+a per-group histogram of the 6-bit sign+exponent field times one conditional table for the whole plane, so the
+per-channel side information covers ~20 exponent values instead of ~60 byte values.
 Histograms are sent as log-count levels (``LEVELS_PER_OCTAVE`` steps per doubling), coded as Laplace-distributed
 differences between neighbouring bins; the decoder rebuilds the very same float64 rows from exact dyadic values.
 ``coder=lzma|zlib``: the same planes, channel-major, through a general-purpose coder from the standard library.
@@ -43,6 +47,9 @@ CODERS = ("range", "lzma", "zlib")
 SPLITS = ("exponent", "bytes")
 HISTOGRAMS = ("auto", "channel", "head", "layer", "tensor")
 GROUPINGS = HISTOGRAMS[1:]
+#: stream code of a plane stored verbatim: ``auto`` picks it when no histogram beats 8 bits per byte (float16's
+#: low mantissa byte), which also spares the decoder its slowest part
+RAW = len(GROUPINGS)
 
 #: histogram precision: a count c > 0 is sent as level 1 + round(2 log2 c), i.e. within 2^(1/4) = 19% of itself.
 #: Coarse on purpose: on SmolLM2 traces 2 levels per doubling beat 1, 3, 4, 6 and 8 (finer histograms cost more
@@ -242,7 +249,8 @@ def _counts(groups: np.ndarray) -> np.ndarray:
 
 
 def choose_grouping(plane: np.ndarray, shift: int) -> tuple[str, dict[str, float]]:
-    """The grouping with the smallest estimated size (data under the quantized model + its side information)."""
+    """The grouping with the smallest estimated size (data under the quantized model + its side information),
+    or ``raw`` (the bytes as they are) when none is estimated below 8 bits per byte."""
     L, H, T, D = plane.shape
     ch = _counts(_groups(plane, "channel"))  # (L*H*D, 256)
     by = {
@@ -255,7 +263,9 @@ def choose_grouping(plane: np.ndarray, shift: int) -> tuple[str, dict[str, float
     for name, c in by.items():
         m = PlaneModel.fit(c, shift)
         est[name] = m.ideal_data_bits(c) + m.side_ideal_bits(m.scales())
-    return min(est, key=est.get), est
+    best = min(est, key=est.get)
+    est["raw"] = 8.0 * plane.size
+    return ("raw" if est["raw"] <= est[best] else best), est
 
 
 def field_shift(dtype: torch.dtype, split: str, plane_index: int) -> int:
@@ -295,6 +305,11 @@ class Lossless(Compressor):
                 shift = field_shift(kv.k.dtype, self.split, i)
                 grouping = self.histogram if self.histogram != "auto" else choose_grouping(plane, shift)[0]
                 self._stats[f"histogram.{key}.{grouping}"] += 1
+                if grouping == "raw":
+                    header.append(RAW)
+                    sections[key] = np.ascontiguousarray(plane).tobytes()
+                    self._stats["ideal_bits"] += 8 * plane.size
+                    continue
                 side, data, scales, ideal = _range_encode(_groups(plane, grouping), shift)
                 header += bytes([GROUPINGS.index(grouping)]) + scales.astype("<f4").tobytes()
                 sections[f"{key}.hist"], sections[key] = side, data
@@ -315,6 +330,10 @@ class Lossless(Compressor):
                 if self.coder != "range":
                     raw = _general_decompress(self.coder, sec[key])
                     planes.append(_ungroup(np.frombuffer(raw, dtype=np.uint8), ctx.shape))
+                    continue
+                if pos < len(header) and header[pos] == RAW:
+                    pos += 1
+                    planes.append(np.frombuffer(sec[key], dtype=np.uint8).reshape(ctx.shape))
                     continue
                 shift = field_shift(ctx.dtype, self.split, i)
                 n_scales = 8 if shift else 4

@@ -83,9 +83,12 @@ def test_auto_grouping_follows_the_data():
     scale = 2.0 ** rng.integers(-8, 8, size=(L, H, 1, D))
     outliers = torch.from_numpy(rng.standard_normal((L, H, T, D)) * scale).half()
     assert choose_grouping(to_planes(outliers, "exponent")[0], 2)[0] == "channel"
-    # uniform random bytes: no grouping can beat one histogram, and it costs the least side information
+    # skewed bytes that are the same everywhere: one histogram for the tensor is the cheapest side information
+    skewed = rng.geometric(0.05, size=(L, H, T, D)).clip(0, 255).astype(np.uint8)
+    assert choose_grouping(skewed, 0)[0] == "tensor"
+    # uniform random bytes: no histogram beats storing them as they are
     noise = rng.integers(0, 256, size=(L, H, T, D), dtype=np.uint8)
-    assert choose_grouping(noise, 0)[0] == "tensor"
+    assert choose_grouping(noise, 0)[0] == "raw"
 
 
 def _kv(dtype, L=2, H=2, T=160, D=64, seed=0):
@@ -112,6 +115,16 @@ def test_roundtrip_is_bit_exact_and_compresses(dtype, coder, split, histogram):
     assert torch.equal(out.v.view(torch.int16), kv.v.view(torch.int16))
     if histogram == "auto" or coder != "range":  # forced per-channel histograms on 160 tokens may not pay
         assert bs.num_bits < 16 * kv.n_elements  # gaussian data has a few-bit exponent entropy
+
+
+def test_float16_low_mantissa_byte_is_stored_raw():
+    kv = _kv(torch.float16, T=512)
+    comp = Lossless()
+    bs = comp.encode(kv, Context.for_kv(kv))
+    assert bs.parts["k.mant"] == 8 * kv.k.numel() and "k.mant.hist" not in bs.parts
+    assert comp.stats()["histogram.k.mant.raw"] == 1
+    out = comp.decode(Bitstream.from_bytes(bs.data), Context.for_kv(kv))
+    assert torch.equal(out.k.view(torch.int16), kv.k.view(torch.int16))
 
 
 def test_range_coder_charges_histograms_and_stays_near_its_estimate():

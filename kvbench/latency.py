@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -134,6 +135,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "compressed": lambda: CompressedCache(compressor, residual=lat.residual, chunk=int(lat.chunk), mode=str(lat.mode),
                                               model=handle, dtype=store),
     }
+    load_start = os.getloadavg()
     warm = window[: min(64, len(window))].unsqueeze(0).to(dev)
     for name in make:  # first calls allocate and pick kernels; keep them out of the measurement
         run_once(model, warm, make[name](), 2, dev)
@@ -159,6 +161,8 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "model_dtype": str(model_dtype).replace("torch.", ""),
         "fit_s": fit_s,
         "torch_threads": torch.get_num_threads(),
+        # 1-minute load average at the start and the end: other jobs on a shared machine slow every row alike
+        "loadavg_1m": [load_start[0], os.getloadavg()[0]],
         "compressor_params": compressor.describe(),
         "device": dev,
         "git_sha": git_sha(),
@@ -186,8 +190,9 @@ def latency_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def format_latency(s: dict) -> str:
+    load = s.get("loadavg_1m", [math.nan, math.nan])
     lines = [f"  {s['compressor']} vs DynamicCache on {s['model']} ({s['device']}, model {s['model_dtype']}, "
-             f"{s['decode_tokens']} decoded tokens, {s['torch_threads']} threads)",
+             f"{s['decode_tokens']} decoded tokens, {s['torch_threads']} threads, load {load[0]:.1f} -> {load[1]:.1f})",
              f"  {'ctx':>5} {'cache':<10} {'prefill s':>9} {'compress s':>10} {'p50 ms':>8} {'p95 ms':>8} {'tok/s':>7} "
              f"{'held MB':>8} {'peak+ MB':>8} {'same tok':>8}"]
     for r in s["rows"]:

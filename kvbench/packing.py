@@ -28,15 +28,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[bytes, int]:
     n = flat.size
     if n == 0:
         return b"", 0
-    groups = -(-n // 8)
-    lanes = np.zeros(groups * 8, dtype=np.uint64)
-    lanes[:n] = flat
-    lanes = lanes.reshape(groups, 8)  # (G, 8)
-    word = np.zeros(groups, dtype=np.uint64)
-    for i in range(8):
-        word |= lanes[:, i] << np.uint64(bits * i)
-    raw = word.astype("<u8").view(np.uint8).reshape(groups, 8)[:, :bits]  # (G, bits)
     nbits = n * bits
+    if bits == 1:  # the layout is an LSB-first bit stream: exactly numpy's little-endian packbits
+        return np.packbits(flat, bitorder="little").tobytes(), nbits
+    groups = -(-n // 8)
+    if groups * 8 != n:
+        flat = np.concatenate([flat, np.zeros(groups * 8 - n, dtype=np.uint8)])
+    lanes = flat.reshape(groups, 8)  # (G, 8); widened one column at a time (no 8-byte copy of every code)
+    word = lanes[:, 0].astype(np.uint64)
+    for i in range(1, 8):
+        word |= lanes[:, i].astype(np.uint64) << np.uint64(bits * i)
+    raw = word.astype("<u8", copy=False).view(np.uint8).reshape(groups, 8)[:, :bits]  # (G, bits)
     return raw.tobytes()[: -(-nbits // 8)], nbits
 
 

@@ -6,7 +6,10 @@ granularity ``block_size`` tokens; ``budget_tokens`` bounds what it keeps, evict
 finds its longest cached prefix, ``m_j`` tokens first written by an earlier session ``p_j``, and stores only the
 KV of its remaining tokens. Before reusing a prefix the encoder checks that session j's own KV over it is
 bit-identical to ``p_j``'s (the model computed it independently for each session); where it is not, the shared
-part ends at the first differing block, so that every session decodes to exactly its own KV.
+part ends at the first differing block, so that every session decodes to exactly its own KV. CPU kernels can round
+a prefix's KV differently for two prompt lengths (by one fp16 step, measured on SmolLM2); ``verify_kv=false``
+shares on the token match alone, as a serving prefix cache does, and a session then decodes to the earlier
+session's KV for that prefix (no longer bit-exact to its own prefill).
 
 Bitstream sections:
 
@@ -114,6 +117,7 @@ class Trie(Compressor):
     policy: str = "lru"
     budget_tokens: int | None = None
     plt_weight: float = 1.0
+    verify_kv: bool = True
 
     name = "trie"
     lossless = True
@@ -126,7 +130,10 @@ class Trie(Compressor):
             check_range("trie", "budget_tokens", self.budget_tokens, 0, 1 << 62, integer=True)
             self.budget_tokens = int(self.budget_tokens)
         check_range("trie", "plt_weight", self.plt_weight, 0.0, 1e9)
+        check_choice("trie", "verify_kv", self.verify_kv, [True, False])
         self.block_size = int(self.block_size)
+        # sharing on tokens alone decodes a prefix from another session's prefill: exact only if those agree
+        self.lossless = bool(self.verify_kv)
 
     # ---- single sequences: a set of one -------------------------------------------------------------------
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
@@ -148,7 +155,7 @@ class Trie(Compressor):
             lp = ctx.extras.get("logprobs")
             got = cache.request(kv.tokens.numpy(), None if lp is None else np.concatenate([[0.0], np.asarray(lp)]), rid=j)
             m, p = got.hit_tokens, got.owner
-            if m:
+            if m and self.verify_kv:
                 m = first_kv_mismatch(kv, kvs[p], m) // self.block_size * self.block_size
             parent.append(p if m else -1)
             shared.append(m)

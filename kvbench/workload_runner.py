@@ -96,14 +96,18 @@ def _fits(c: Compressor) -> bool:
 def shared_prefix_kv(sessions: list[CapturedSession]) -> dict[str, Any]:
     """For every session whose tokens start with an earlier session's prefix: is the KV over that prefix
     bit-identical between the two independent prefills? (max |difference| over every layer, head, channel)"""
+    from compressors.trie import first_kv_mismatch
+
     trie = RadixTrie(1)
-    pairs = identical = compared = 0
+    pairs = identical = compared = after_first = 0
     max_diff = 0.0
+    examples = []
     for j, s in enumerate(sessions):
         m = trie.insert(s.kv.tokens.numpy(), owner=j)
         if not m.tokens:
             continue
-        o = sessions[trie.owner[m.node]].kv
+        o_id = trie.owner[m.node]
+        o = sessions[o_id].kv
         n = m.tokens
         d = max(float((s.kv.k[:, :, :n].float() - o.k[:, :, :n].float()).abs().max()),
                 float((s.kv.v[:, :, :n].float() - o.v[:, :, :n].float()).abs().max()))
@@ -111,7 +115,15 @@ def shared_prefix_kv(sessions: list[CapturedSession]) -> dict[str, Any]:
         identical += d == 0.0
         compared += n
         max_diff = max(max_diff, d)
-    return {"pairs": pairs, "identical_pairs": identical, "tokens_compared": compared, "max_abs_diff": max_diff}
+        if d:
+            first = first_kv_mismatch(s.kv, o, n)
+            after_first += n - first
+            if len(examples) < 8:
+                examples.append({"session": j, "tokens": s.kv.n_tokens, "earlier": o_id, "earlier_tokens": o.n_tokens,
+                                 "shared": n, "first_difference": first, "max_abs_diff": d})
+    # tokens_after_first_difference: shared tokens that exact (KV-verified) dedup cannot share
+    return {"pairs": pairs, "identical_pairs": identical, "tokens_compared": compared, "max_abs_diff": max_diff,
+            "tokens_after_first_difference": after_first, "differing_pairs": examples}
 
 
 def _part_totals(parts: dict[str, int]) -> dict[str, int]:
@@ -214,6 +226,8 @@ def measure_workload(cfg: Any, compressor: Compressor, handle: ModelHandle) -> t
         "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
         "rel_mse_k": dist.rel_mse("k"),
         "rel_mse_v": dist.rel_mse("v"),
+        "max_abs_err_k": dist.max_abs_err("k"),
+        "max_abs_err_v": dist.max_abs_err("v"),
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
         "nll_base": mean(nll_base),

@@ -72,6 +72,12 @@ def test_kv_that_differs_under_a_shared_prefix_is_stored_not_shared():
     assert bs.parts["k"] == 16 * L * H * D * (100 + 50 + 50 + 20 + 60)
     bs16, _ = _roundtrip(Trie(block_size=16), kvs)
     assert bs16.parts["k"] == 16 * L * H * D * (100 + (100 - 48) + 56 + 28 + 60)
+    # sharing on the token match alone, as a serving cache does: session 1 decodes to session 0's prefix KV
+    loose = Trie(block_size=1, verify_kv=False)
+    bs_tok, out_tok = _roundtrip(loose, kvs)
+    assert not loose.lossless
+    assert bs_tok.parts["k"] == 16 * L * H * D * (100 + 30 + 50 + 20 + 60)
+    assert torch.equal(out_tok[1].k[:, :, :70], kvs[0].k[:, :, :70]) and not torch.equal(out_tok[1].k, kvs[1].k)
 
 
 @pytest.mark.parametrize("inner", [Identity(), KIVI(bits=2, group_size=16, residual=8)])

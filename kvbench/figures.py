@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib import rc_context, ticker
@@ -27,6 +28,33 @@ BOUND_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.0}
 # Keys that later summaries may carry (workload statistics, eval outputs): the first one present is used.
 SHARE_RATE_KEYS = ("sharing.share_rate", "share_rate")
 DEDUP_KEYS = ("sharing.dedup_ratio", "dedup_ratio")
+
+
+MARKERS = "osD^vPX*<>"
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def series_styles(names) -> dict[str, dict]:
+    """One color per compressor family (the label's first word) in every figure; variants of a family differ by
+    marker and line style."""
+    names = sorted(set(map(str, names)))
+    families = sorted({n.split()[0] for n in names})
+    cmap = "tab10" if len(families) <= 10 else "tab20"
+    colors = {f: matplotlib.colormaps[cmap](i % (10 if cmap == "tab10" else 20)) for i, f in enumerate(families)}
+    seen: dict[str, int] = {}
+    out = {}
+    for n in names:
+        f = n.split()[0]
+        k = seen[f] = seen.get(f, -1) + 1
+        out[n] = {"color": colors[f], "marker": MARKERS[k % len(MARKERS)], "linestyle": LINESTYLES[k % len(LINESTYLES)]}
+    return out
+
+
+def _single_sequence_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """Runs on the dataset's windows, not multi-session workloads (those have their own figure)."""
+    if "workload" not in df:
+        return df
+    return df[df["workload"].isna() | (df["workload"].astype(str).isin(["none", ""]))]
 
 
 def _finite(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
@@ -107,24 +135,25 @@ def _symlog_if_spans(ax, values) -> None:
 
 def rate_distortion(df: pd.DataFrame):
     """Bits per element against delta_nll, one line per compressor (and per non-rate setting)."""
-    d = _finite(df, "bits_per_element", "delta_nll")
+    d = _finite(_single_sequence_runs(df), "bits_per_element", "delta_nll")
     if d.empty:
         return None, "no run has both bits_per_element and delta_nll (run with metrics.nll=true)"
     d["series"] = series_label(d)
     facets = _facets(d)
+    styles = series_styles(d["series"])
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
             for name, s in g.groupby("series", sort=True):
                 s = s.sort_values("bits_per_element")
-                ax.plot(s["bits_per_element"], s["delta_nll"], marker="o", label=name)
+                ax.plot(s["bits_per_element"], s["delta_nll"], label=name, **styles[name])
             ys = list(g["delta_nll"])
             if "nll_base" in g and pd.to_numeric(g["nll_base"], errors="coerce").notna().any():
                 ref = 0.01 * float(pd.to_numeric(g["nll_base"], errors="coerce").mean())
                 ax.axhline(ref, color="grey", linestyle=":", linewidth=1, label="1% NLL regression")
                 ys.append(ref)
             ax.axhline(0, color="black", linewidth=0.6)
-            _log_if_spans(ax, "x", g["bits_per_element"], base=2)
+            _log_if_spans(ax, "x", g["bits_per_element"])
             _symlog_if_spans(ax, ys)
             ax.set_xlabel("rate (bits per KV element; 16-bit baseline = 16)")
             ax.set_ylabel(r"$\Delta$NLL (nats/token, held-out text)")
@@ -135,17 +164,21 @@ def rate_distortion(df: pd.DataFrame):
 
 def context_length(df: pd.DataFrame):
     """Bits per token against context length, with the measured entropy bound H(token | history)."""
-    d = _finite(df, "bits_per_token", "context_len")
+    d = _finite(_single_sequence_runs(df), "bits_per_token", "context_len")
     if d.empty:
         return None, "no run has bits_per_token"
     d["series"] = series_label(d, exclude=())
+    swept = d.groupby("series")["context_len"].transform("nunique") > 1
+    if swept.any():  # curves measured at one context only would be a column of points: leave them to the table
+        d = d[swept]
     facets = _facets(d)
+    styles = series_styles(d["series"])
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
             for name, s in g.groupby("series", sort=True):
                 s = s.groupby("context_len", as_index=False)["bits_per_token"].mean()
-                ax.plot(s["context_len"], s["bits_per_token"], marker="o", label=name)
+                ax.plot(s["context_len"], s["bits_per_token"], label=name, **styles[name])
             b = _finite(g, "bound_bits_per_token")
             ys = list(g["bits_per_token"])
             if not b.empty:
@@ -182,7 +215,7 @@ def throughput(df: pd.DataFrame):
         return None, "no run has finite compression_ratio, encode_MBps and decode_MBps"
     facets = _facets(d)
     compressors = sorted(d["compressor"].astype(str).unique())
-    colors = {c: f"C{i % 10}" for i, c in enumerate(compressors)}
+    colors = {c: st["color"] for c, st in series_styles(compressors).items()}
     with rc_context(STYLE):
         fig = Figure(figsize=(7.0, 2.8 * len(facets)), layout="constrained")
         axes = fig.subplots(len(facets), 2, squeeze=False)
@@ -216,13 +249,14 @@ def prefix_sharing(df: pd.DataFrame):
     ideal = _first(d, DEDUP_KEYS)
     d["series"] = series_label(d, exclude=())
     facets = _facets(d)
+    styles = series_styles(d["series"])
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
             ys = list(g["compression_ratio"])
             for name, s in g.groupby("series", sort=True):
                 s = s.groupby(x, as_index=False)["compression_ratio"].mean()
-                ax.plot(100 * s[x], s["compression_ratio"], marker="o", label=name)
+                ax.plot(100 * s[x], s["compression_ratio"], label=name, **styles[name])
             if ideal:
                 b = _finite(g, ideal).groupby(x, as_index=False)[ideal].mean()
                 ax.plot(100 * b[x], b[ideal], marker="s", **BOUND_STYLE, label="exact dedup: tokens / unique tokens")

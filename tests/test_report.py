@@ -120,3 +120,27 @@ def test_figures_with_nothing_to_plot_say_why():
     for name, (_, make) in FIGURES.items():
         fig, why = make(pd.DataFrame({"compressor": ["x"], "model": ["m"], "dataset": ["d"]}))
         assert fig is None and why, name
+
+
+def test_results_readme_draft_has_every_section_and_keeps_hand_written_findings(runs, tmp_path):
+    import importlib.util
+
+    from kvbench.paths import repo_root
+
+    spec = importlib.util.spec_from_file_location("results_readme", repo_root() / "scripts" / "results_readme.py")
+    rr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rr)
+    report, out = tmp_path / "results" / "report", tmp_path / "results" / "README.md"
+    write_report([runs], report, ("png",))
+    out.write_text(rr.render(runs, report, out))
+    text = out.read_text()
+    for heading in ("## 1. Real compression ratio", "## 2. The latency", "## 3. Cross-session", "## 4. Does the",
+                    "## Distance to the entropy bound"):
+        assert heading in text
+    assert "](report/figures/rate_distortion.png)" in text and text.count(rr.FINDINGS_TODO) == 5
+    assert "| smollm2_135m | sotu | kivi group_size=32 |" in text  # best within 1% NLL
+    text = text.replace(f"{rr.FINDINGS_OPEN.format(key='bound')}\n{rr.FINDINGS_TODO}",
+                        f"{rr.FINDINGS_OPEN.format(key='bound')}\nMeasured 4x above the bound.")
+    out.write_text(text)
+    again = rr.render(runs, report, out)
+    assert "Measured 4x above the bound." in again and again.count(rr.FINDINGS_TODO) == 4

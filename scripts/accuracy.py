@@ -52,8 +52,9 @@ def table(summaries: list[tuple[str, dict]]) -> pd.DataFrame:
         for task, t in [*s["tasks"].items(), ("all", s["overall"])]:
             rows.append({"compressor": label, "task": task, "n": t["n"], "metric": t.get("metric", "mixed"),
                          "acc_base": t["acc_base"], "stderr_base": t["stderr_base"], "acc_comp": t["acc_comp"],
-                         "stderr_comp": t["stderr_comp"], "diff": t["diff"], "ci95_low": t["ci95_low"],
-                         "ci95_high": t["ci95_high"], "mcnemar_p": t["mcnemar_p"],
+                         "stderr_comp": t["stderr_comp"], "diff": t["diff"],
+                         # a difference of two accuracies lies in [-1, 1]; the normal interval can overshoot at small n
+                         "ci95_low": max(t["ci95_low"], -1.0), "ci95_high": min(t["ci95_high"], 1.0), "mcnemar_p": t["mcnemar_p"],
                          "identical_responses": t.get("identical_responses", np.nan),
                          "bits_per_element": s["bits_per_element"], "limit": s["limit"]})
     return pd.DataFrame(rows)

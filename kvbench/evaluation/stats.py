@@ -35,8 +35,9 @@ def paired_binary(base: np.ndarray, comp: np.ndarray, z: float = 1.959964) -> di
         "stderr_comp": se(comp),
         "diff": diff,
         "stderr_diff": se_d,
-        "ci95_low": diff - z * se_d if n > 1 else math.nan,
-        "ci95_high": diff + z * se_d if n > 1 else math.nan,
+        # a difference of two accuracies lies in [-1, 1]; the normal interval can overshoot it at small n
+        "ci95_low": max(diff - z * se_d, -1.0) if n > 1 else math.nan,
+        "ci95_high": min(diff + z * se_d, 1.0) if n > 1 else math.nan,
         "flipped_to_wrong": lost,
         "flipped_to_right": gained,
         "mcnemar_p": p,

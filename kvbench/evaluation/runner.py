@@ -102,6 +102,8 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
         "eval_s": eval_s,
         "generated_tokens": int(acc["generated_tokens"]),
         "compressor_params": compressor.describe(),
+        # as the cache runs it: a compressor's own `residual` window is handed to the cache (see kvbench.cache)
+        "cache_compressor_params": lm._cache(compressor).compressor.describe(),
         "dtype": cfg.dtype,
         "device": cfg.device,
         "git_sha": git_sha(),

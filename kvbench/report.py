@@ -4,10 +4,12 @@ Writes into ``--out`` (default ``<results>/report``):
   runs.csv                      every key of every summary (nested keys flattened with dots), one row per cell
   runs.md, runs.tex             the headline columns (Markdown, and a booktabs LaTeX tabular)
   best_at_1pct_nll.md/.tex      per compressor, the highest compression ratio whose delta_nll is <= 1% of nll_base
+  eval.md/.tex                  task accuracy per eval run and task (from eval.json, `python -m kvbench eval`)
+  latency.md/.tex               per latency run, context and cache (from latency.json, `python -m kvbench latency`)
   figures/*.png, figures/*.pdf  see ``kvbench.figures``
   skipped.txt                   run dirs that were not read, and why (only when there are any)
 
-A bad or partial run dir (no summary.json, unreadable JSON, not a kvbench summary, a killed run's staging dir) is
+A bad or partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is
 reported and skipped, never fatal; so are figures whose keys no summary carries.
 """
 
@@ -172,6 +174,9 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     seq = _num(df, "cfg.dataset.seq_len")
     per_seq = _num(df, "n_tokens") / _num(df, "n_sequences")
     df["context_len"] = seq.fillna(per_seq)
+    if "workload" in df:  # sessions of a workload have their own lengths: the mean session
+        multi = df["workload"].notna() & ~df["workload"].astype(str).isin(["none", ""])
+        df.loc[multi, "context_len"] = per_seq[multi]
     df["x_bound"] = _num(df, "bits_per_token") / _num(df, "bound_bits_per_token")
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)

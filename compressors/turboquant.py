@@ -1,0 +1,215 @@
+"""TurboQuant: data-oblivious per-vector quantization (Zandieh, Daliri, Hadian, Mirrokni, arXiv 2504.19874).
+
+Every K and V vector x (one layer, head and token; dimension d = head_dim) is coded on its own:
+
+- **TQ_mse** (``variant=mse``): store ||x||; rotate the unit vector, u = Π x/||x||, with a seeded random rotation;
+  quantize each coordinate of u with the ``bits``-bit Lloyd-Max codebook of the exact coordinate law of a uniform
+  unit vector in d dimensions (:mod:`compressors.sphere_codebook`). No per-block scales or zero points: the rotation
+  makes every coordinate follow the same known law. Decoding is x̂ = ||x||·Πᵀ Q(u).
+- **TQ_prod** (``variant=prod``): ``bits - 1`` bits of TQ_mse, then a 1-bit QJL sketch (m = d) of the rotated
+  residual r = u - Q(u), stored as sign(S r) and ||r|| (:mod:`compressors.qjl`). The inner-product estimate
+  <q, x̂> is then unbiased, at the price of a larger squared error than TQ_mse at the same bits.
+
+Fractional ``bits`` (2.5, 3.5, …) split the rotated coordinates into two groups coded at ⌊b⌋ and ⌈b⌉ bits, with
+round((b - ⌊b⌋)·d) coordinates in the upper group (exact for b = 2.5 or 3.5 at even d; otherwise the rate is the
+nearest achievable one). All coordinates are exchangeable after the rotation, so the upper group is simply the
+first ones.
+
+Charged per vector: the codes, the norm (``norm_bits``: 16 stores it as float16, 32 as float32) and, for TQ_prod,
+m sign bits and ||r|| at the same precision; per sequence, the 32-bit seed from which the decoder regenerates
+the rotation and S (so those cost 0 bits; so do the codebooks, which the decoder recomputes from (d, bits)).
+
+``rotation=hadamard`` (randomized Walsh–Hadamard, see :mod:`compressors.rotation`) needs a power-of-two
+head_dim; for any other head_dim encode **raises** a ValueError that points to ``rotation=orthogonal`` rather than
+silently switching rotations, so a run's recorded configuration is always the one that produced its numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from compressors.qjl import QJLSketch
+from compressors.rotation import RandomizedHadamard, RandomOrthogonal, is_power_of_two, make_rotation
+from compressors.scalar_codes import dequantize_packed, quantize
+from compressors.sphere_codebook import codebook
+from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.compressor import Compressor, check_choice, check_range
+from kvbench.kv import Context, KVSequence
+from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
+
+_NORM_DTYPE = {16: torch.float16, 32: torch.float32}
+_PLUS_MINUS = torch.tensor([-1.0, 1.0])  # a QJL sign bit as the value it stands for
+
+
+@dataclass
+class _Group:
+    """Rotated coordinates [start, stop) quantized with one codebook."""
+
+    start: int
+    stop: int
+    bits: int
+    centroids: torch.Tensor  # (2**bits,) float32
+    thresholds: torch.Tensor  # (2**bits - 1,) float32
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class _Plan:
+    """Everything derived from (head_dim, seed): rotation, codebooks, sketch. Rebuilt by the decoder, never stored."""
+
+    d: int
+    rotation: RandomizedHadamard | RandomOrthogonal
+    groups: list[_Group]
+    sketch: QJLSketch | None
+
+
+def split_bits(bits: float, d: int) -> list[tuple[int, int]]:
+    """``[(n_coords, bits), ...]`` for the upper then lower group; a whole ``bits`` gives one group."""
+    lo = math.floor(bits)
+    n_hi = round((bits - lo) * d)
+    if n_hi == 0:
+        return [(d, lo)]
+    if n_hi == d:
+        return [(d, lo + 1)]
+    return [(n_hi, lo + 1), (d - n_hi, lo)]
+
+
+@dataclass
+class TurboQuant(Compressor):
+    """TurboQuant (arXiv 2504.19874): per-vector norm + random rotation + Lloyd-Max scalar codes (+ QJL)."""
+
+    bits: float = 3
+    variant: str = "mse"
+    rotation: str = "hadamard"
+    norm_bits: int = 16
+    seed: int = 0
+
+    name: ClassVar[str] = "turboquant"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
+            raise ValueError(f"turboquant.bits={self.bits!r} must be a number in [1, 8] (fractions like 2.5 allowed)")
+        check_range("turboquant", "bits", self.bits, 1, 8)
+        check_choice("turboquant", "variant", self.variant, ("mse", "prod"))
+        check_choice("turboquant", "rotation", self.rotation, ("hadamard", "orthogonal"))
+        check_choice("turboquant", "norm_bits", self.norm_bits, tuple(_NORM_DTYPE))
+        check_range("turboquant", "seed", self.seed, 0, 2**32 - 1, integer=True)
+        self.seed = int(self.seed)
+        self._plans: dict[tuple[int, int], _Plan] = {}
+
+    # ---- derived state -------------------------------------------------------------------------------------
+
+    @property
+    def mse_bits(self) -> float:
+        """Bits per coordinate spent on the scalar codes (TQ_prod gives one of them to the QJL sketch)."""
+        return self.bits - 1 if self.variant == "prod" else self.bits
+
+    def effective_bits(self, d: int) -> float:
+        """Code bits per element at head_dim ``d`` (without norms), after rounding the fractional split."""
+        code = sum(n * b for n, b in split_bits(self.mse_bits, d)) / d
+        return code + (1 if self.variant == "prod" else 0)
+
+    def _plan(self, d: int, seed: int) -> _Plan:
+        key = (d, seed)
+        if key not in self._plans:
+            if self.rotation == "hadamard" and not is_power_of_two(d):
+                raise ValueError(
+                    f"turboquant.rotation=hadamard needs a power-of-two head_dim, got head_dim={d}; "
+                    "use compressor.rotation=orthogonal (a dense random rotation) for this model"
+                )
+            if d < 2:
+                raise ValueError(f"turboquant needs head_dim >= 2, got {d}")
+            groups, start = [], 0
+            for n, b in split_bits(self.mse_bits, d):
+                cb = codebook(d, b)
+                groups.append(_Group(start, start + n, b, torch.tensor(cb.centroids, dtype=torch.float32),
+                                     torch.tensor(cb.thresholds, dtype=torch.float32)))
+                start += n
+            sketch = QJLSketch(d, d, seed) if self.variant == "prod" else None
+            self._plans[key] = _Plan(d, make_rotation(self.rotation, d, seed), groups, sketch)
+        return self._plans[key]
+
+    def fit(self, calib: list[KVSequence]) -> None:
+        """Nothing to learn (the method is data-oblivious); builds the codebooks and rotation ahead of timing."""
+        for kv in calib[:1]:
+            self._plan(kv.shape[-1], self.seed)
+
+    # ---- coding --------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _dequantize(plan: _Plan, packed: list[bytes | None], n: int) -> torch.Tensor:
+        """Centroids of each group's packed codes, laid side by side: (N, d) float32 (0-bit groups give 0)."""
+        parts = [
+            torch.zeros(n, g.width) if raw is None else dequantize_packed(raw, g.bits, n * g.width, g.centroids).view(n, g.width)
+            for g, raw in zip(plan.groups, packed)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _encode_part(self, kind: str, x: torch.Tensor, plan: _Plan) -> dict[str, bytes | tuple[bytes, int]]:
+        d = plan.d
+        x = x.reshape(-1, d).float()  # (N, d)
+        n = x.shape[0]
+        norm = torch.linalg.vector_norm(x, dim=1)  # (N,)
+        stored = norm.to(_NORM_DTYPE[self.norm_bits])
+        if not bool(torch.isfinite(stored).all()):
+            bad = "non-finite values" if not bool(torch.isfinite(norm).all()) else "a norm too large for float16"
+            raise ValueError(f"turboquant: {kind} has {bad}; norm_bits=32 stores norms as float32")
+        inv = torch.where(norm > 0, 1 / norm, torch.zeros_like(norm))  # a zero vector stays zero
+        y = plan.rotation.forward(x).mul_(inv[:, None])  # (N, d) rotated unit vectors
+        out: dict[str, bytes | tuple[bytes, int]] = {f"{kind}.norm": tensor_to_bytes(stored)}
+        packed: list[bytes | None] = []
+        for g in plan.groups:
+            if g.bits == 0:
+                packed.append(None)
+                continue
+            codes = quantize(y[:, g.start : g.stop], g.thresholds.to(y.device))  # (N, width) uint8
+            raw, nbits = pack_codes(codes.cpu(), g.bits)
+            packed.append(raw)
+            out[f"{kind}.codes{g.bits}"] = (raw, nbits)
+        if plan.sketch is not None:
+            r = y.cpu() - self._dequantize(plan, packed, n)  # (N, d) residual of the unit vector
+            r_norm = torch.linalg.vector_norm(r, dim=1).to(_NORM_DTYPE[self.norm_bits])  # (N,)
+            out[f"{kind}.qjl"] = pack_codes(plan.sketch.signs(r), 1)
+            out[f"{kind}.residual_norm"] = tensor_to_bytes(r_norm)
+        return out
+
+    def _decode_part(self, kind: str, sec: dict[str, bytes], plan: _Plan, n: int, dtype: torch.dtype) -> torch.Tensor:
+        ndt = _NORM_DTYPE[self.norm_bits]
+        packed = [None if g.bits == 0 else self._section(sec, f"{kind}.codes{g.bits}") for g in plan.groups]
+        y = self._dequantize(plan, packed, n)  # (N, d)
+        if plan.sketch is not None:
+            m = plan.sketch.m
+            signs = dequantize_packed(self._section(sec, f"{kind}.qjl"), 1, n * m, _PLUS_MINUS).view(n, m)  # ±1
+            r_norm = tensor_from_bytes(self._section(sec, f"{kind}.residual_norm"), ndt, (n,))
+            y += plan.sketch.reconstruct(signs, r_norm)
+        norm = tensor_from_bytes(self._section(sec, f"{kind}.norm"), ndt, (n,)).float()  # (N,)
+        return plan.rotation.inverse(y).mul_(norm[:, None]).to(dtype)  # (N, d)
+
+    @staticmethod
+    def _section(sec: dict[str, bytes], name: str) -> bytes:
+        if name not in sec:
+            raise BitstreamError(f"turboquant bitstream has no section {name!r} (written with other settings?)")
+        return sec[name]
+
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
+        plan = self._plan(kv.shape[-1], self.seed)
+        sections: dict[str, bytes | tuple[bytes, int]] = {"seed": self.seed.to_bytes(4, "little")}
+        sections.update(self._encode_part("k", kv.k, plan))
+        sections.update(self._encode_part("v", kv.v, plan))
+        return Bitstream.pack(self.name, sections)
+
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
+        sec = bs.sections(expect=self.name)
+        plan = self._plan(ctx.head_dim, int.from_bytes(self._section(sec, "seed"), "little"))
+        L, H, T, D = ctx.shape
+        n = L * H * T
+        k = self._decode_part("k", sec, plan, n, ctx.dtype).view(L, H, T, D)
+        v = self._decode_part("v", sec, plan, n, ctx.dtype).view(L, H, T, D)
+        return KVSequence(k, v)

@@ -20,17 +20,24 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
-def _in_sweep() -> bool:
+def _sweep_cell() -> bool:
+    """In a multirun, print which cell this is (the sweep's progress) and return True."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        return False
+    job = HydraConfig.get().job
+    # the sweep's progress, in the terminal and in launcher logs (Hydra's own job log is switched off)
+    print(f"[sweep cell #{job.num}] {' '.join(HydraConfig.get().overrides.task)}", file=sys.stderr, flush=True)
+    return True
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
 def _run(cfg: DictConfig) -> None:
     from kvbench.runner import format_summary, measure, run_dir_for, write_run
 
+    in_sweep = _sweep_cell()
     try:
         compressor = make_compressor(cfg.get("compressor"))
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -42,7 +49,7 @@ def _run(cfg: DictConfig) -> None:
             summary, rows = measure(cfg, compressor)
             write_run(run_dir, summary, rows, cfg_dict)
     except USER_ERRORS as e:
-        if _in_sweep():
+        if in_sweep:
             print(f"error: {e}", file=sys.stderr)
             raise  # the launcher marks this cell failed, runs the others, then exits non-zero
         _fail(e)

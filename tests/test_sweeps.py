@@ -205,6 +205,7 @@ def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, checkpoint):
                         "compressor.residual=0", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "kivi.bits=9 is out of range" in p.stderr
+    assert "[sweep cell #0] +compressor=kivi compressor.bits=9" in p.stderr and "[sweep cell #1]" in p.stderr
     cells = [json.loads(s.read_text()) for s in (tmp_path / "results" / "runs").glob("*/summary.json")]
     assert [c["compressor_params"]["bits"] for c in cells] == [2]
 

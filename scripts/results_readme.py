@@ -166,6 +166,58 @@ def kept_findings(text: str) -> dict[str, str]:
     return out
 
 
+def memory_speed_table(lat: pd.DataFrame) -> pd.DataFrame:
+    """Per latency run and context: the compressed cache's bytes and decode speed relative to the 16-bit cache
+    measured in the same run."""
+    need = {"run_id", "context", "cache", "bytes_held", "tokens_per_s"}
+    if lat.empty or not need <= set(lat.columns):
+        return pd.DataFrame()
+    lat = lat.assign(compressor=series_label(lat, exclude=()))
+    keys = ["model", "compressor", "run_id", "context"]
+    wide = lat.pivot_table(index=keys, columns="cache", values=["bytes_held", "tokens_per_s", "decode_median_ms"],
+                           aggfunc="mean")
+    if ("bytes_held", "compressed") not in wide or ("bytes_held", "dynamic") not in wide:
+        return pd.DataFrame()
+    t = pd.DataFrame({
+        "bytes_ratio": wide[("bytes_held", "dynamic")] / wide[("bytes_held", "compressed")],
+        "speed_ratio": wide[("tokens_per_s", "compressed")] / wide[("tokens_per_s", "dynamic")],
+        "ms_compressed": wide.get(("decode_median_ms", "compressed")),
+        "ms_dynamic": wide.get(("decode_median_ms", "dynamic")),
+    }).reset_index()
+    return t.sort_values(["model", "context", "bytes_ratio"])
+
+
+MEMORY_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("context", "context", "context", "d"),
+    ("bytes_ratio", "memory saved (x)", r"memory saved ($\times$)", ".2f"),
+    ("speed_ratio", "decode tokens/s vs 16-bit", "decode speed vs 16-bit", ".3f"),
+    ("ms_compressed", "decode ms/token", "decode ms/token", ".1f"),
+    ("ms_dynamic", "16-bit decode ms/token", "16-bit decode ms/token", ".1f"),
+]
+
+ACCURACY_COLUMNS = [
+    ("model", "model", "model", "s"),
+    ("compressor", "compressor", "compressor", "s"),
+    ("bits_per_element", "bits/elt", "bits/elt", ".2f"),
+    ("overall.n", "examples", "examples", "d"),
+    ("overall.acc_base", "acc 16-bit", "acc 16-bit", ".3f"),
+    ("overall.acc_comp", "acc compressed", "acc compressed", ".3f"),
+    ("overall.diff", "diff", "diff", "+.3f"),
+    ("overall.stderr_diff", "stderr", "stderr", ".3f"),
+    ("overall.mcnemar_p", "McNemar p", "McNemar $p$", ".3g"),
+]
+
+
+def accuracy_table(ev: pd.DataFrame) -> pd.DataFrame:
+    if ev.empty or "run_id" not in ev:
+        return pd.DataFrame()
+    runs = ev.drop_duplicates("run_id").copy()
+    runs["compressor"] = series_label(runs, exclude=())
+    return runs.sort_values(["model", "bits_per_element"] if "bits_per_element" in runs else ["model"])
+
+
 def render(runs: Path, report: Path, out: Path) -> str:
     kept = kept_findings(out.read_text()) if out.exists() else {}
 
@@ -188,19 +240,28 @@ def render(runs: Path, report: Path, out: Path) -> str:
         "Highest compression ratio (vs the 16-bit cache, every bit counted) whose held-out NLL rises by at most 1%:\n",
         to_markdown(best_at_tolerance(df), BEST_COLUMNS),
         _figure(report, out, "rate_distortion", "Rate-distortion: bits per element against delta NLL"),
+        "Task accuracy with the compressed cache in the loop, paired with the 16-bit cache on the same examples "
+        "(all tasks pooled; per task in `results/report/eval.md`):\n",
+        to_markdown(accuracy_table(got.evals), ACCURACY_COLUMNS),
+        _figure(report, out, "accuracy_regression", "Task-accuracy change per compressor and task"),
         findings("ratio"),
         "## 2. The latency and throughput price\n",
         "Coding time per token at each curve's best point within 1% NLL, and for the lossless coders:\n",
         to_markdown(cost_table(df), COST_COLUMNS),
         _figure(report, out, "throughput_vs_ratio", "Encode and decode throughput against compression ratio"),
+        "End to end, the compressed cache in the decode loop against the 16-bit cache in the same run "
+        "(all columns in `results/report/latency.md`):\n",
+        to_markdown(memory_speed_table(got.latency), MEMORY_COLUMNS),
+        _figure(report, out, "latency_vs_memory", "Decode throughput against the bytes the cache holds"),
         findings("price"),
         "## 3. Cross-session prefix sharing\n",
         to_markdown(sharing_table(everything), SHARING_COLUMNS),
         _figure(report, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
         findings("sharing"),
         "## 4. Does the predictor's compute eat the memory saved?\n",
-        "See the decode ms/token column of section 2 for `delta` and `recompute`, and the end-to-end latency results.\n",
-        _figure(report, out, "accuracy_regression", "Task-accuracy regression per compressor and task"),
+        "Compressors that decode by running the model (`recompute`, `delta` with `predictor=model`) against the rest: "
+        "bits per token and decode time per token in section 2, memory saved against decode speed in the end-to-end "
+        "table of section 2.\n",
         findings("predictor"),
         "## Distance to the entropy bound\n",
         f"The paper's per-vector arithmetic for a 70B-class config is {PAPER_PER_VECTOR_BITS:,} bits/token, "

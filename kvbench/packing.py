@@ -35,10 +35,11 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[bytes, int]:
     if groups * 8 != n:
         flat = np.concatenate([flat, np.zeros(groups * 8 - n, dtype=np.uint8)])
     lanes = flat.reshape(groups, 8)  # (G, 8); widened one column at a time (no 8-byte copy of every code)
-    word = lanes[:, 0].astype(np.uint64)
+    wide, le = (np.uint32, "<u4") if bits <= 4 else (np.uint64, "<u8")  # 8 codes fit the narrower word
+    word = lanes[:, 0].astype(wide)
     for i in range(1, 8):
-        word |= lanes[:, i].astype(np.uint64) << np.uint64(bits * i)
-    raw = word.astype("<u8", copy=False).view(np.uint8).reshape(groups, 8)[:, :bits]  # (G, bits)
+        word |= lanes[:, i].astype(wide) << wide(bits * i)
+    raw = word.astype(le, copy=False).view(np.uint8).reshape(groups, -1)[:, :bits]  # (G, bits)
     return raw.tobytes()[: -(-nbits // 8)], nbits
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from compressors.rotation import generator
@@ -22,7 +23,10 @@ class QJLSketch:
 
     def signs(self, r: torch.Tensor) -> torch.Tensor:
         """``r`` (N, d) -> bits (N, m) as uint8, 1 where <S_j, r> >= 0."""
-        return (r @ self.s_t.to(r) >= 0).to(torch.uint8)
+        proj = r @ self.s_t.to(r)  # (N, m)
+        if proj.device.type != "cpu":
+            return (proj >= 0).to(torch.uint8)
+        return torch.from_numpy((proj.numpy() >= 0).view(np.uint8))  # numpy's compare is the cheaper one on CPU
 
     def reconstruct(self, signs: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """``signs`` (N, m) as ±1 floats (or 0/1 bits) and ``norms`` (N,) -> r̂ (N, d)."""

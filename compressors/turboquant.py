@@ -159,8 +159,10 @@ class TurboQuant(Compressor):
         norm = torch.linalg.vector_norm(x, dim=1)  # (N,)
         stored = norm.to(_NORM_DTYPE[self.norm_bits])
         if not bool(torch.isfinite(stored).all()):
-            bad = "non-finite values" if not bool(torch.isfinite(norm).all()) else "a norm too large for float16"
-            raise ValueError(f"turboquant: {kind} has {bad}; norm_bits=32 stores norms as float32")
+            if not bool(torch.isfinite(norm).all()):
+                raise ValueError(f"turboquant: the {kind} cache has non-finite values (inf or nan); nothing to quantize")
+            raise ValueError(f"turboquant: a {kind} vector's norm exceeds the float16 maximum 65504; "
+                             "use compressor.norm_bits=32 to store norms as float32")
         inv = torch.where(norm > 0, 1 / norm, torch.zeros_like(norm))  # a zero vector stays zero
         y = plan.rotation.forward(x).mul_(inv[:, None])  # (N, d) rotated unit vectors
         out: dict[str, bytes | tuple[bytes, int]] = {f"{kind}.norm": tensor_to_bytes(stored)}

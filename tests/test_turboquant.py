@@ -306,3 +306,14 @@ def test_quantize_and_dequantize_packed_match_the_plain_rules(bits):
     assert torch.equal(codes.long(), torch.bucketize(y, thr))  # count of boundaries strictly below
     raw, _ = pack_codes(codes, bits)
     assert torch.equal(dequantize_packed(raw, bits, len(y), cen), cen[codes.long()])
+
+
+def test_a_norm_beyond_float16_asks_for_norm_bits_32(random_kv):
+    kv = random_kv(T=10, D=64, dtype=torch.float32)
+    kv.k[0, 0, 0] *= 10_000.0
+    big = float(kv.k[0, 0, 0].norm())
+    assert big > 65504
+    with pytest.raises(ValueError, match="norm_bits=32"):
+        TurboQuant().encode(kv, Context.for_kv(kv))
+    out = TurboQuant(norm_bits=32).decode(TurboQuant(norm_bits=32).encode(kv, Context.for_kv(kv)), Context.for_kv(kv))
+    assert float(out.k[0, 0, 0].norm()) == pytest.approx(big, rel=0.05)

@@ -93,12 +93,7 @@ for m in $MODELS; do
         +compressor=kivi compressor.bits=2,3,4,8
     step "rate-distortion turboquant ($m)" sweep +experiment=rate_distortion model="$m" "${RD_SEQ[@]}" \
         +compressor=turboquant compressor.bits=2,2.5,3,3.5,4 compressor.variant=mse,prod
-    step "context length ($m)" sweep +experiment=context_length model="$m" dataset.seq_len="$ctx" \
-        +compressor=identity,lossless
-    step "context length, kivi 2-bit ($m)" sweep +experiment=context_length model="$m" dataset.seq_len="$ctx" \
-        +compressor=kivi compressor.bits=2
-    step "context length, turboquant 3-bit ($m)" sweep +experiment=context_length model="$m" dataset.seq_len="$ctx" \
-        +compressor=turboquant compressor.bits=3
+    step "context length ($m)" sweep +experiment=context_length model="$m" dataset.seq_len="$ctx"
     step "bound ($m)" sweep +experiment=bound model="$m" "${RD_SEQ[@]}"
     step "prefix sharing ($m)" sweep +experiment=prefix_sharing model="$m" "${WORKLOAD[@]}" +compressor=trie
 done

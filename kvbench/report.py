@@ -173,10 +173,11 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     seq = _num(df, "cfg.dataset.seq_len")
     per_seq = _num(df, "n_tokens") / _num(df, "n_sequences")
-    df["context_len"] = seq.fillna(per_seq)
+    context = seq.fillna(per_seq).astype(float)
     if "workload" in df:  # sessions of a workload have their own lengths: the mean session
         multi = df["workload"].notna() & ~df["workload"].astype(str).isin(["none", ""])
-        df.loc[multi, "context_len"] = per_seq[multi]
+        context = per_seq.astype(float).where(multi, context)
+    df["context_len"] = context
     df["x_bound"] = _num(df, "bits_per_token") / _num(df, "bound_bits_per_token")
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)

@@ -42,15 +42,25 @@ sweep() { locked "$PY" -m kvbench run -m "$@" "${DATA[@]}"; }
 if [[ "${QUICK:-0}" == 1 ]]; then
     DATA=(dataset.n_sequences=1 dataset.n_calib=1 dataset.eval_len=32)
     RD_SEQ=(dataset.seq_len=256)
-    WORKLOAD=(workload.n_sessions=16 workload.target_share_rate=0.0,0.3,0.6)
+    WORKLOAD=(workload.n_sessions=16)
     CTX_smollm2_135m=128,256
     CTX_gemma3_270m=128,256
+    TQ_smollm2_135m=mse,prod
+    TQ_gemma3_270m=mse
+    SHARE_smollm2_135m=0.0,0.3,0.6
+    SHARE_gemma3_270m=0.0,0.3,0.6
 else
     DATA=()
     RD_SEQ=()
     WORKLOAD=()
+    # gemma-3-270m costs several times SmolLM2's time per token here (262k-token vocabulary, 640-wide layers):
+    # shorter contexts, TQ_mse only, three share rates
     CTX_smollm2_135m=256,512,1024,2048
-    CTX_gemma3_270m=256,512,1024  # 262k-token vocabulary: about 10x SmolLM2's time per token here
+    CTX_gemma3_270m=256,512,1024
+    TQ_smollm2_135m=mse,prod
+    TQ_gemma3_270m=mse
+    SHARE_smollm2_135m=0.0,0.2,0.4,0.6
+    SHARE_gemma3_270m=0.0,0.3,0.6
 fi
 
 log "kvbench reproduce: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- kvbench compressors configs || echo -dirty)," \
@@ -87,15 +97,16 @@ fi
 #    the findings scripts' own and are reused; gemma-3-270m gets the same set. Delta and recompute code token by
 #    token (seconds per sequence), so they run at the default context only.
 for m in $MODELS; do
-    ctx_var=CTX_$m
-    ctx=${!ctx_var}
+    ctx_var=CTX_$m tq_var=TQ_$m share_var=SHARE_$m
+    ctx=${!ctx_var} tq=${!tq_var} share=${!share_var}
     step "rate-distortion kivi ($m)" sweep +experiment=rate_distortion model="$m" "${RD_SEQ[@]}" \
         +compressor=kivi compressor.bits=2,3,4,8
     step "rate-distortion turboquant ($m)" sweep +experiment=rate_distortion model="$m" "${RD_SEQ[@]}" \
-        +compressor=turboquant compressor.bits=2,2.5,3,3.5,4 compressor.variant=mse,prod
+        +compressor=turboquant compressor.bits=2,2.5,3,3.5,4 compressor.variant="$tq"
     step "context length ($m)" sweep +experiment=context_length model="$m" dataset.seq_len="$ctx"
     step "bound ($m)" sweep +experiment=bound model="$m" "${RD_SEQ[@]}"
-    step "prefix sharing ($m)" sweep +experiment=prefix_sharing model="$m" "${WORKLOAD[@]}" +compressor=trie
+    step "prefix sharing ($m)" sweep +experiment=prefix_sharing model="$m" "${WORKLOAD[@]}" +compressor=trie \
+        workload.target_share_rate="$share"
 done
 
 # 3. One table and the figures from every cell, then the draft of results/README.md.

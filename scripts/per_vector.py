@@ -1,0 +1,123 @@
+"""Per-vector quantizers on SmolLM2: TurboQuant (TQ_mse, TQ_prod) and KIVI across bit-widths.
+
+    flock /tmp/kvbench-bench.lock .venv/bin/python scripts/per_vector.py [--force]
+
+Runs each cell with ``kvbench.runner.measure`` on the default run config (SmolLM2-135M, SOTU, 4 x 1024-token
+windows, NLL of 128 held-out tokens), writes every run under ``results/runs/`` as ``python -m kvbench run`` does
+(and reuses a finished run of the same config and code unless ``--force``), then writes
+
+    results/per_vector.json            one compact row per cell
+    results/figures/per_vector.{png,pdf}
+
+and prints the table as markdown. TurboQuant runs at 2, 2.5, 3, 3.5 and 4 bits; KIVI only at whole bits (its
+codes are integer-width), with its default 128-token 16-bit window and with none (residual=0), since the window
+alone adds about 1.75 bits per element at 1024 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from kvbench.config import compose, make_compressor
+from kvbench.models import ModelHandle
+from kvbench.paths import results_root
+from kvbench.runner import measure, run_dir_for, write_run
+
+TQ_BITS = (2, 2.5, 3, 3.5, 4)
+KIVI_BITS = (2, 3, 4)
+
+CELLS = [
+    *[("TQ_mse", b, ["+compressor=turboquant", "compressor.variant=mse", f"compressor.bits={b}"]) for b in TQ_BITS],
+    *[("TQ_prod", b, ["+compressor=turboquant", "compressor.variant=prod", f"compressor.bits={b}"]) for b in TQ_BITS],
+    *[("KIVI", b, ["+compressor=kivi", f"compressor.bits={b}"]) for b in KIVI_BITS],
+    *[("KIVI r=0", b, ["+compressor=kivi", f"compressor.bits={b}", "compressor.residual=0"]) for b in KIVI_BITS],
+]
+KEYS = ["bits_per_element", "rel_mse_k", "rel_mse_v", "nll_base", "delta_nll", "encode_MBps", "decode_MBps"]
+STYLE = {"TQ_mse": ("C0", "o", "-"), "TQ_prod": ("C1", "s", "-"), "KIVI": ("C2", "^", "--"), "KIVI r=0": ("C3", "v", ":")}
+
+
+def run_cell(overrides: list[str], handle: ModelHandle, force: bool) -> tuple[dict, Path]:
+    cfg = compose(overrides)
+    comp = make_compressor(cfg.compressor)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = run_dir_for(cfg_dict, comp)
+    if not force and (run_dir / "summary.json").exists():
+        return json.loads((run_dir / "summary.json").read_text()), run_dir
+    summary, rows = measure(cfg, comp, handle)
+    write_run(run_dir, summary, rows, cfg_dict)
+    return summary, run_dir
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| method | bits (nominal) | bits/element | rel MSE K | rel MSE V | delta NLL (nats) | encode MB/s | decode MB/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['method']} | {r['bits']:g} | {r['bits_per_element']:.3f} | {r['rel_mse_k']:.4f} | "
+                   f"{r['rel_mse_v']:.4f} | {r['delta_nll']:+.4f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} |")
+    return "\n".join(out)
+
+
+def figure(rows: list[dict], out: Path) -> None:
+    from matplotlib import rc_context
+    from matplotlib.figure import Figure
+
+    style = {"font.size": 8, "axes.titlesize": 9, "legend.fontsize": 7, "axes.grid": True, "grid.alpha": 0.3,
+             "lines.markersize": 4, "savefig.dpi": 200, "pdf.fonttype": 42}
+    with rc_context(style):
+        fig = Figure(figsize=(10, 2.9), layout="constrained")
+        axes = fig.subplots(1, 3)
+        panels = [("rel_mse_k", "relative MSE of K", True), ("delta_nll", "Δ NLL of held-out tokens (nats)", True),
+                  ("decode_MBps", "throughput (MB/s of 16-bit KV)", False)]
+        for ax, (key, title, logy) in zip(axes, panels):
+            for method, (color, marker, ls) in STYLE.items():
+                pts = sorted((r["bits_per_element"], r) for r in rows if r["method"] == method)
+                if not pts:
+                    continue
+                x = [p[0] for p in pts]
+                if key == "rel_mse_k":
+                    ax.plot(x, [p[1]["rel_mse_k"] for p in pts], color=color, marker=marker, ls=ls, label=f"{method} K")
+                    ax.plot(x, [p[1]["rel_mse_v"] for p in pts], color=color, marker=marker, ls=ls, alpha=0.45,
+                            mfc="none", label=f"{method} V")
+                elif key == "decode_MBps":
+                    ax.plot(x, [p[1]["encode_MBps"] for p in pts], color=color, marker=marker, ls=ls, label=f"{method} enc")
+                    ax.plot(x, [p[1]["decode_MBps"] for p in pts], color=color, marker=marker, ls=ls, alpha=0.45,
+                            mfc="none", label=f"{method} dec")
+                else:
+                    ax.plot(x, [max(p[1][key], 1e-5) for p in pts], color=color, marker=marker, ls=ls, label=method)
+            ax.set_xlabel("bits per element (actual, all charged)")
+            ax.set_title(title)
+            if logy:
+                ax.set_yscale("log")
+            ax.legend(ncol=2 if key != "delta_nll" else 1)
+        fig.suptitle("SmolLM2-135M, SOTU, 4 x 1024 tokens: per-vector quantizers")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for ext in ("png", "pdf"):
+            fig.savefig(out.with_suffix(f".{ext}"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--force", action="store_true", help="recompute cells that already have a finished run")
+    args = p.parse_args()
+    handle = ModelHandle(compose([]).model)
+    rows = []
+    for method, bits, overrides in CELLS:
+        s, run_dir = run_cell(overrides, handle, args.force)
+        row = {"method": method, "bits": bits, **{k: s[k] for k in KEYS}, "run": str(run_dir.name)}
+        rows.append(row)
+        print(f"{method:<9} {bits:>4}: {row['bits_per_element']:.3f} b/el  rel MSE K {row['rel_mse_k']:.4f} "
+              f"V {row['rel_mse_v']:.4f}  dNLL {row['delta_nll']:+.4f}  enc {row['encode_MBps']:.0f} "
+              f"dec {row['decode_MBps']:.0f} MB/s", flush=True)
+    root = results_root()
+    (root / "per_vector.json").write_text(json.dumps(rows, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
+    figure(rows, root / "figures" / "per_vector")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

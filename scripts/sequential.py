@@ -1,0 +1,215 @@
+"""Sequential compressors on the default trace (SmolLM2-135M, SOTU, 4 x 1024 tokens): bits per token against
+the entropy bound, and what each costs in time.
+
+    .venv/bin/python scripts/sequential.py            # run the missing cells, then tables and figure
+    .venv/bin/python scripts/sequential.py --no-run   # tables and figure from the runs already there
+
+Every cell is one ``python -m kvbench run`` under ``flock /tmp/kvbench-bench.lock`` (one timing at a time on a
+shared machine), single-threaded, with its run directory under ``results/sweeps/sequential/runs`` (git-ignored).
+A cell already there (same model, data, dtype, compressor and fields; the newest run of any code version) is
+not run again. Writes
+``results/figures/sequential.{png,pdf}`` and ``results/sequential_tables.md`` (the tables quoted in
+``results/sequential.md``). The ideal -log2 p column is the coder's own model estimate, recorded beside the coded
+size in ``compressor_stats``; the rate itself is always the harness's count of the bitstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbench.config import available, compose, make_compressor
+from kvbench.paths import repo_root
+
+LOCK = "/tmp/kvbench-bench.lock"
+STEPS = (0.1, 0.5)
+#: this study's runs, apart from other sweeps (git-ignored): every cell here is timed under the same conditions
+RUNS = repo_root() / "results" / "sweeps" / "sequential"
+#: one thread per cell: on a 2-core machine shared with other jobs, two threads spin against each other and
+#: one-token-at-a-time passes (recompute, delta/model) run several times slower than on one
+THREADS = "1"
+
+
+def cells() -> list[tuple[str, str, list[str]]]:
+    """(label, config name, overrides), in display order; TurboQuant only where it is configured."""
+    out = [("identity", "identity", []), ("lossless", "lossless", [])]
+    for pred in ("previous", "linear", "cross_layer", "model"):
+        for step in (0.0, *STEPS):
+            label = f"delta {pred}" + (" exact" if step == 0 else f" step {step:g}")
+            out.append((label, "delta", [f"compressor.predictor={pred}", f"compressor.step={step}"]))
+    model01 = ["compressor.predictor=model", "compressor.step=0.1"]
+    out.append(("delta model step 0.1 plain ids", "delta", [*model01, "compressor.token_coding=plain"]))
+    out.append(("delta model bf16-compute step 0.1", "delta", [*model01, "compressor.predictor_dtype=bf16_compute"]))
+    out.append(("recompute", "recompute", []))
+    out.append(("kivi 2-bit", "kivi", []))
+    if "turboquant" in available("compressor"):
+        out.append(("turboquant 3-bit", "turboquant", []))
+    return out
+
+
+def _key(params: dict, model: str, dataset: str, n_seq: int, n_tok: int, dtype: str, device: str) -> str:
+    return json.dumps([params, model, dataset, n_seq, n_tok, dtype, device], sort_keys=True, default=str)
+
+
+def cell_key(name: str, overrides: list[str]) -> str:
+    """What a finished run of this cell records in its summary.json (model, data, compressor and its fields)."""
+    cfg = compose([f"+compressor={name}", *overrides])
+    ds = cfg.dataset
+    params = make_compressor(cfg.compressor).describe()
+    return _key(params, cfg.model.name, ds.name, ds.n_sequences, ds.n_sequences * ds.seq_len, cfg.dtype, cfg.device)
+
+
+def finished_runs(root: Path) -> dict[str, dict]:
+    """The newest summary per cell key under ``root/runs`` (any code version)."""
+    best: dict[str, dict] = {}
+    for path in sorted(root.glob("runs/*/summary.json")):
+        s = json.loads(path.read_text())
+        k = _key(s.get("compressor_params"), s["model"], s["dataset"], s["n_sequences"], s["n_tokens"], s["dtype"],
+                 s["device"])
+        if k not in best or s["created"] > best[k]["created"]:
+            best[k] = s
+    return best
+
+
+def run_cell(name: str, overrides: list[str]) -> None:
+    cmd = ["flock", LOCK, sys.executable, "-m", "kvbench", "run", f"+compressor={name}", *overrides]
+    env = {**os.environ, "KVBENCH_RESULTS": str(RUNS), "OMP_NUM_THREADS": THREADS}
+    print(f"$ KVBENCH_RESULTS={RUNS} OMP_NUM_THREADS={THREADS} flock {LOCK} python -m kvbench run",
+          *cmd[6:], flush=True)
+    subprocess.run(cmd, check=True, cwd=repo_root(), env=env)
+
+
+def load(rows: list[tuple[str, str, list[str]]], root: Path) -> list[tuple[str, list[str], dict]]:
+    runs = finished_runs(root)
+    found = []
+    for label, name, ov in rows:
+        s = runs.get(cell_key(name, ov))
+        if s is None:
+            print(f"missing: {label}", file=sys.stderr)
+        else:
+            found.append((label, ov, s))
+    return found
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "–" if x != x else f"{x:,.{digits}f}"
+
+
+def tables(found: list[tuple[str, list[str], dict]]) -> str:
+    s0 = found[0][2]
+    n_seq, T = s0["n_sequences"], s0["n_tokens"] // s0["n_sequences"]
+    lines = [
+        f"Trace: {s0['model']} / {s0['dataset']}, {n_seq} sequences x {T} tokens, {s0['dtype']} cache; "
+        f"bound H(token | history) = {s0['bound_bits_per_token']:.3f} bits/token. Times are per {T}-token sequence.",
+        "",
+        "| cell | bits/token | x bound | ratio vs 16-bit | bits/element | exact | rel MSE K / V | delta NLL (nats) "
+        "| encode s/seq | decode s/seq |",
+        "|---|---:|---:|---:|---:|:-:|---:|---:|---:|---:|",
+    ]
+    for label, _, s in found:
+        lines.append(
+            f"| {label} | {s['bits_per_token']:,.1f} | {s['bits_per_token'] / s['bound_bits_per_token']:,.0f} "
+            f"| {s['compression_ratio']:,.2f} | {s['bits_per_element']:.3f} | {'yes' if s['lossless'] else 'no'} "
+            f"| {s['rel_mse_k']:.2e} / {s['rel_mse_v']:.2e} | {_fmt(s['delta_nll'], 4)} "
+            f"| {s['encode_s'] / s['n_sequences']:.2f} | {s['decode_s'] / s['n_sequences']:.2f} |")
+    lines += [
+        "",
+        "Where the delta bits go, per token (coded = the bitstream parts; ideal = the coder's model, sum of -log2 p; "
+        "side info = fitted weights / steps, charged once per run and here amortised over the run's tokens):",
+        "",
+        "| cell | K residual coded / ideal | V residual coded / ideal | scales | tokens coded / ideal | frame+bounds "
+        "| side info (bits, once) | side info / token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, _, s in found:
+        if s["compressor"] != "delta":
+            continue
+        n, p, st = s["n_tokens"], s["bits_by_part"], s.get("compressor_stats", {})
+        tok = (f"{p['tokens'] / n:.2f} / {st['tokens.ideal_token_bits'] / n:.2f}" if "tokens" in p else "–")
+        lines.append(
+            f"| {label} | {p['k.residual'] / n:,.1f} / {st.get('ideal_bits.k.residual', float('nan')) / n:,.1f} "
+            f"| {p['v.residual'] / n:,.1f} / {st.get('ideal_bits.v.residual', float('nan')) / n:,.1f} "
+            f"| {p['scales'] / n:.1f} | {tok} | {(p['frame'] + p.get('bounds', 0)) / n:.2f} "
+            f"| {s['side_info_bits']:,} | {s['side_info_bits'] / n:,.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def family(label: str) -> str:
+    if label.startswith("delta"):
+        return label.split()[1] if "bf16-compute" not in label else "model"
+    return label.split()[0]
+
+
+COLORS = {"identity": "#7f7f7f", "lossless": "#8c564b", "previous": "#1f77b4", "linear": "#2ca02c",
+          "cross_layer": "#9467bd", "model": "#d62728", "recompute": "#ff7f0e", "kivi": "#17becf",
+          "turboquant": "#bcbd22"}
+
+
+def figure(found: list[tuple[str, list[str], dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f[0] for f in found]
+    bits = [f[2]["bits_per_token"] for f in found]
+    dec = [f[2]["decode_s"] / f[2]["n_sequences"] for f in found]
+    bound = found[0][2]["bound_bits_per_token"]
+    colors = [COLORS.get(family(lab), "#333333") for lab in labels]
+    y = list(range(len(found)))[::-1]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.38 * len(found) + 1.6), sharey=True,
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    ax1.barh(y, bits, color=colors)
+    ax1.set_xscale("log")
+    ax1.axvline(bound, color="k", ls="--", lw=1)
+    ax1.text(bound * 1.1, y[0] + 0.6, f"bound {bound:.2f} bits/token", fontsize=8, va="bottom")
+    for yi, b, (_, _, s) in zip(y, bits, found):
+        note = f"{b:,.0f}" + ("" if s["lossless"] else f"   ΔNLL {s['delta_nll']:+.4f}")
+        ax1.text(b * 1.08, yi, note, va="center", fontsize=7)
+    ax1.set_xlim(bound / 2, max(bits) * 40)
+    ax1.set_yticks(y, labels, fontsize=8)
+    ax1.set_xlabel("bits per token, all 30 layers, K and V (log scale)")
+    ax2.barh(y, dec, color=colors)
+    ax2.set_xscale("log")
+    for yi, d in zip(y, dec):
+        ax2.text(d * 1.08, yi, f"{d:.2f} s", va="center", fontsize=7)
+    ax2.set_xlim(min(dec) / 2, max(dec) * 6)
+    ax2.set_xlabel("decode time per 1024-token sequence, s (log scale, 2 shared CPU cores)")
+    s0 = found[0][2]
+    fig.suptitle(f"Sequential KV coding on {s0['model']} / {s0['dataset']} ({s0['dtype']} cache)", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for ext in ("png", "pdf"):
+        fig.savefig(out.with_suffix(f".{ext}"), dpi=150)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-run", action="store_true", help="only read finished runs")
+    args = ap.parse_args(argv)
+    rows, root = cells(), RUNS
+    if not args.no_run:
+        # the cells that decode one token at a time take minutes per sequence: run them last
+        slow = [r for r in rows if r[1] == "recompute" or "compressor.predictor=model" in r[2]]
+        for _, name, ov in [r for r in rows if r not in slow] + slow:
+            if cell_key(name, ov) not in finished_runs(root):
+                run_cell(name, ov)
+    found = load(rows, root)
+    if not found:
+        print("no finished runs", file=sys.stderr)
+        return 1
+    text = tables(found)
+    out = repo_root() / "results"
+    (out / "sequential_tables.md").write_text(text)
+    figure(found, out / "figures" / "sequential")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

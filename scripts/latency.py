@@ -74,7 +74,8 @@ def table(picked: list[tuple[str, dict]]) -> pd.DataFrame:
                          "prefill_s": r["prefill_s"], "compress_s": r["compress_s"],
                          "decode_median_ms": r["decode_median_ms"], "decode_p95_ms": r["decode_p95_ms"],
                          "tokens_per_s": r["tokens_per_s"], "decompress_s": r["decode_decompress_s"],
-                         "bytes_held": r["bytes_held"], "peak_mem_delta_bytes": r["peak_mem_delta_bytes"],
+                         "bytes_held": r["bytes_held"], "peak_mem_bytes": r["peak_mem_bytes"],
+                         "peak_mem_delta_bytes": r["peak_mem_delta_bytes"],
                          "tokens_match_dynamic": r.get("tokens_match_dynamic"),
                          "ratio_bytes": ratio["bytes_held"], "ratio_tokens_per_s": ratio["tokens_per_s"],
                          "load_1m": float(np.mean(s.get("loadavg_1m", [np.nan]))), "model_dtype": s["model_dtype"]})
@@ -82,10 +83,10 @@ def table(picked: list[tuple[str, dict]]) -> pd.DataFrame:
 
 
 def figure(df: pd.DataFrame) -> Figure:
-    from matplotlib import rc_context
+    from matplotlib import rc_context, ticker
 
     with rc_context(STYLE):
-        fig = Figure(figsize=(7.0, 3.0), layout="constrained")
+        fig = Figure(figsize=(8.0, 3.0), layout="constrained")
         ax, bx = fig.subplots(1, 2)
         comp = df[df["cache"] == "compressed"]
         dyn = df[df["cache"] == "dynamic"].groupby("context", as_index=False)[["bytes_held", "tokens_per_s"]].median()
@@ -102,7 +103,7 @@ def figure(df: pd.DataFrame) -> Figure:
         ax.set_xlabel("bytes held after decoding (MB, log)")
         ax.set_ylabel("decode tokens/s (log)")
         ax.set_title("throughput vs memory held")
-        ax.legend(loc="lower left", fontsize=6)
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=6)
         for c, g in comp.groupby("compressor", sort=False):
             g = g.sort_values("context")
             bx.plot(g["context"], g["ratio_tokens_per_s"], marker="o", color=colors[c], label=c)
@@ -112,6 +113,9 @@ def figure(df: pd.DataFrame) -> Figure:
         bx.set_xlabel("context tokens")
         bx.set_ylabel("tokens/s, compressed / DynamicCache")
         bx.set_title("decode slowdown")
+        for a in (ax, bx):
+            a.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+            a.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
         return fig
 
 
@@ -145,13 +149,13 @@ def main() -> int:
     fig = figure(df)
     for ext in ("png", "pdf"):
         fig.savefig(out / f"latency.{ext}")
-    print("| cache | context | prefill s | compress s | decode p50 ms | p95 ms | tokens/s | MB held | peak +MB | "
-          "tok/s ratio | bytes ratio | same tokens | load |")
+    print("| cache | context | prefill s | compress s | decode p50 ms | p95 ms | tokens/s | MB held | peak RSS MB | "
+          "tok/s ratio | bytes ratio | same tokens | load |")  # peak: whole process (model included)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in df.itertuples():
         ratio = f"{r.ratio_tokens_per_s:.3f} | {r.ratio_bytes:.3f}" if r.cache == "compressed" else "|"
         print(f"| {r.compressor} | {r.context} | {r.prefill_s:.2f} | {r.compress_s:.2f} | {r.decode_median_ms:.0f} | "
-              f"{r.decode_p95_ms:.0f} | {r.tokens_per_s:.2f} | {r.bytes_held / 1e6:.2f} | {r.peak_mem_delta_bytes / 1e6:.0f} | "
+              f"{r.decode_p95_ms:.0f} | {r.tokens_per_s:.2f} | {r.bytes_held / 1e6:.2f} | {r.peak_mem_bytes / 1e6:.0f} | "
               f"{ratio} | {r.tokens_match_dynamic:.2f} | {r.load_1m:.1f} |")
     return 0
 

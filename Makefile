@@ -19,7 +19,7 @@ assets: install
 	$(PY) -m kvbench assets --model smollm2_135m --data sotu
 
 run: assets
-	$(PY) -m kvbench run +compressor=kivi
+	$(PY) -m kvbench run +compressor=delta
 
 test: assets
 	$(PY) -m pytest -q

@@ -15,24 +15,23 @@ def available(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
-def make_compressor(node: Any) -> Compressor:
-    """Instantiate a compressor config node (selected by ``_target_``), with errors that say what is allowed."""
+def instantiate_plugin(node: Any, base: type, group: str, kind: str) -> Any:
+    """Instantiate a config node selected by ``_target_`` as a dataclass subclass of ``base``, with errors that
+    name the available choices of ``group`` and the fields of the chosen class."""
     import hydra.utils
     from omegaconf import OmegaConf
 
-    if node is None:
-        raise ValueError(f"no compressor chosen: add +compressor=NAME with NAME one of {available('compressor')}")
     spec = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
     target = spec.get("_target_")
     if not target:
-        raise ValueError(f"compressor config has no _target_; available compressors: {available('compressor')}")
+        raise ValueError(f"no {kind} chosen; available: {available(group)}")
     cls = hydra.utils.get_class(target)
-    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
-        raise ValueError(f"compressor _target_ {target} is not a kvbench Compressor")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{kind} _target_ {target} is not a kvbench {base.__name__}")
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     unknown = sorted(set(spec) - fields - {"_target_"})
     if unknown:
-        raise ValueError(f"compressor {cls.name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
+        raise ValueError(f"{kind} {cls.name!r} has no field(s) {unknown}; its fields are {sorted(fields)}")
     try:
         return hydra.utils.instantiate(spec, _convert_="all")
     except Exception as e:  # hydra wraps the ValueError from __post_init__; surface the original message
@@ -40,6 +39,13 @@ def make_compressor(node: Any) -> Compressor:
         while cause.__cause__ is not None:
             cause = cause.__cause__
         raise ValueError(str(cause)) from e
+
+
+def make_compressor(node: Any) -> Compressor:
+    """Instantiate a compressor config node (selected by ``_target_``), with errors that say what is allowed."""
+    if node is None:
+        raise ValueError(f"no compressor chosen: add +compressor=NAME with NAME one of {available('compressor')}")
+    return instantiate_plugin(node, Compressor, "compressor", "compressor")
 
 
 def compose(overrides: list[str] | None = None) -> Any:

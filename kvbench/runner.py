@@ -82,9 +82,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
             nll_base.append(continuation_nll(handle.model, kv, seq.continuation))
             nll_comp.append(continuation_nll(handle.model, kv_hat, seq.continuation))
 
-    baseline_mb = n_el * 2 / 1e6
     lp = torch.cat([s.logprobs for s in trace.eval])
-    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
@@ -92,23 +90,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "n_sequences": len(trace.eval),
         "n_tokens": n_tok,
         "n_elements": n_el,
-        **rate_summary(bits, parts, n_tok, n_el, compressor.side_info_bits()),
+        **measured_fields(compressor, bits, parts, n_tok, n_el, bool(lossless), enc, dec, fit_watch, dist, nll_base, nll_comp),
         "bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
-        "lossless": bool(lossless),
-        "encode_s": enc.seconds,
-        "decode_s": dec.seconds,
-        "fit_s": fit_watch.seconds,
-        "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
-        "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
-        "rel_mse_k": dist.rel_mse("k"),
-        "rel_mse_v": dist.rel_mse("v"),
-        "max_abs_err_k": dist.max_abs_err("k"),
-        "max_abs_err_v": dist.max_abs_err("v"),
-        "cosine_k": dist.cosine("k"),
-        "cosine_v": dist.cosine("v"),
-        "nll_base": mean(nll_base),
-        "nll_compressed": mean(nll_comp),
-        "delta_nll": mean(nll_comp) - mean(nll_base) if nll_base else math.nan,
         "eval_tokens": (len(trace.eval[0].continuation) - 1) * len(trace.eval) if nll_base else 0,
         "dtype": cfg.dtype,
         "device": cfg.device,
@@ -121,6 +104,32 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return summary, dist.rows()
+
+
+def measured_fields(compressor: Compressor, bits: list[int], parts: list, n_tok: int, n_el: int, lossless: bool,
+                    enc: Stopwatch, dec: Stopwatch, fit: Stopwatch, dist: DistortionAccumulator,
+                    nll_base: list[float], nll_comp: list[float]) -> dict:
+    """The summary keys every run path measures the same way: rate, exactness, time, distortion, task loss."""
+    baseline_mb = n_el * 2 / 1e6
+    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
+    return {
+        **rate_summary(bits, parts, n_tok, n_el, compressor.side_info_bits()),
+        "lossless": lossless,
+        "encode_s": enc.seconds,
+        "decode_s": dec.seconds,
+        "fit_s": fit.seconds,
+        "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
+        "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
+        "rel_mse_k": dist.rel_mse("k"),
+        "rel_mse_v": dist.rel_mse("v"),
+        "max_abs_err_k": dist.max_abs_err("k"),
+        "max_abs_err_v": dist.max_abs_err("v"),
+        "cosine_k": dist.cosine("k"),
+        "cosine_v": dist.cosine("v"),
+        "nll_base": mean(nll_base),
+        "nll_compressed": mean(nll_comp),
+        "delta_nll": mean(nll_comp) - mean(nll_base) if nll_base else math.nan,
+    }
 
 
 def write_run(run_dir: Path, summary: dict, rows: list[dict], cfg_dict: dict) -> None:

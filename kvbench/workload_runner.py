@@ -31,12 +31,13 @@ from kvbench.compressor import Compressor
 from kvbench.data import load_documents
 from kvbench.kv import Context, KVSequence
 from kvbench.metrics.distortion import DistortionAccumulator
-from kvbench.metrics.rate import bound_bits_per_token, rate_summary
+from kvbench.metrics.rate import bound_bits_per_token
 from kvbench.metrics.task import continuation_nll
 from kvbench.models import ModelHandle
 from kvbench.paths import home
 from kvbench.prefix.cache import replay
 from kvbench.prefix.radix import RadixTrie
+from kvbench.runner import measured_fields
 from kvbench.timing import Stopwatch
 from kvbench.workloads import Workload, make_workload
 
@@ -205,8 +206,6 @@ def measure_workload(cfg: Any, compressor: Compressor, handle: ModelHandle) -> t
         m = fine.insert(s.tokens).tokens
         unique_nats -= float(lp[max(m, 1) - 1 :].sum())
     all_lp = np.concatenate(lps)
-    baseline_mb = n_el * 2 / 1e6
-    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
@@ -215,24 +214,9 @@ def measure_workload(cfg: Any, compressor: Compressor, handle: ModelHandle) -> t
         "n_sequences": len(kvs),
         "n_tokens": n_tok,
         "n_elements": n_el,
-        **rate_summary(bits, parts, n_tok, n_el, compressor.side_info_bits()),
+        **measured_fields(compressor, bits, parts, n_tok, n_el, bool(lossless), enc, dec, fit_watch, dist, nll_base, nll_comp),
         "bound_bits_per_token": bound_bits_per_token(all_lp.tolist(), all_lp.size),
         "bound_dedup_bits_per_token": unique_nats / n_tok / math.log(2),
-        "lossless": bool(lossless),
-        "encode_s": enc.seconds,
-        "decode_s": dec.seconds,
-        "fit_s": fit_watch.seconds,
-        "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
-        "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
-        "rel_mse_k": dist.rel_mse("k"),
-        "rel_mse_v": dist.rel_mse("v"),
-        "max_abs_err_k": dist.max_abs_err("k"),
-        "max_abs_err_v": dist.max_abs_err("v"),
-        "cosine_k": dist.cosine("k"),
-        "cosine_v": dist.cosine("v"),
-        "nll_base": mean(nll_base),
-        "nll_compressed": mean(nll_comp),
-        "delta_nll": mean(nll_comp) - mean(nll_base) if nll_base else math.nan,
         "eval_tokens": n_eval,
         "sharing": stats,
         "prefix_cache": cache.summary(),

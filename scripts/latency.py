@@ -115,7 +115,7 @@ def figure(df: pd.DataFrame) -> Figure:
         bx.set_title("decode slowdown")
         for a in (ax, bx):
             a.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-            a.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+            a.yaxis.set_minor_formatter(ticker.NullFormatter())
         return fig
 
 

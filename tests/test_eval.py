@@ -164,7 +164,7 @@ def test_eval_cli_identity_is_exact_on_smollm2(tmp_path):
     from kvbench.__main__ import main
 
     assert main(["eval", "+compressor=identity", "tasks=[passkey,sotu_lastword]", "limit=2", "passkey.lengths=[512]",
-                 "passkey.depths=[0.5]", "lastword.n=4", "lastword.context_tokens=256", f"paths.results={tmp_path}"]) == 0
+                 "passkey.depths=[0.5]", "passkey.per_depth=2", "lastword.n=4", "lastword.context_tokens=256", f"paths.results={tmp_path}"]) == 0
     (summary_file,) = tmp_path.glob("runs/eval-identity-*/eval.json")
     s = json.loads(summary_file.read_text())
     assert set(s["tasks"]) == {"passkey_512", "sotu_lastword"}

@@ -31,5 +31,10 @@ class QJLSketch:
     def reconstruct(self, signs: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """``signs`` (N, m) as ±1 floats (or 0/1 bits) and ``norms`` (N,) -> r̂ (N, d)."""
         z = signs.float() if signs.is_floating_point() else signs.float() * 2 - 1  # (N, m) in {-1, +1}
-        scale = norms.float() * (math.sqrt(math.pi / 2) / self.m)  # (N,)
-        return (z @ self.s_t.T) * scale[:, None]
+        r_hat = z @ self.s_t.T.to(z)  # (N, d)
+        c = math.sqrt(math.pi / 2) / self.m
+        if r_hat.device.type != "cpu":
+            return r_hat * (norms.float() * c)[:, None]
+        scale = norms.numpy().astype(np.float32) * np.float32(c)  # (N,); numpy: no thread hand-off on CPU
+        np.multiply(r_hat.numpy(), scale[:, None], out=r_hat.numpy())
+        return r_hat

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from compressors.qjl import QJLSketch
@@ -42,6 +43,7 @@ from kvbench.kv import Context, KVSequence
 from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
 
 _NORM_DTYPE = {16: torch.float16, 32: torch.float32}
+_NORM_NUMPY = {16: np.float16, 32: np.float32}
 _PLUS_MINUS = torch.tensor([-1.0, 1.0])  # a QJL sign bit as the value it stands for
 
 
@@ -68,6 +70,14 @@ class _Plan:
     rotation: RandomizedHadamard | RandomOrthogonal
     groups: list[_Group]
     sketch: QJLSketch | None
+
+
+def _float32_rows(x: torch.Tensor, d: int) -> np.ndarray:
+    """``x`` as contiguous float32 rows of length d, converted in numpy (bfloat16 through its bit pattern)."""
+    x = x.detach().cpu().reshape(-1, d)
+    if x.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
+        return (x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.ascontiguousarray(x.numpy(), dtype=np.float32)
 
 
 def split_bits(bits: float, d: int) -> list[tuple[int, int]]:
@@ -144,55 +154,63 @@ class TurboQuant(Compressor):
     # ---- coding --------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _dequantize(plan: _Plan, packed: list[bytes | None], n: int) -> torch.Tensor:
+    def _dequantize(plan: _Plan, packed: list[bytes | None], n: int) -> np.ndarray:
         """Centroids of each group's packed codes, laid side by side: (N, d) float32 (0-bit groups give 0)."""
         parts = [
-            torch.zeros(n, g.width) if raw is None else dequantize_packed(raw, g.bits, n * g.width, g.centroids).view(n, g.width)
+            np.zeros((n, g.width), dtype=np.float32) if raw is None
+            else dequantize_packed(raw, g.bits, n * g.width, g.centroids).numpy().reshape(n, g.width)
             for g, raw in zip(plan.groups, packed)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    # Elementwise work runs in numpy (single-threaded); torch does only the matmuls and the final cast. On a
+    # shared 2-core machine every torch parallel region waits for its second thread to be scheduled, which made
+    # the elementwise torch version 3x slower under load than the same work on one thread.
 
     def _encode_part(self, kind: str, x: torch.Tensor, plan: _Plan) -> dict[str, bytes | tuple[bytes, int]]:
         d = plan.d
-        x = x.reshape(-1, d).float()  # (N, d)
-        n = x.shape[0]
-        norm = torch.linalg.vector_norm(x, dim=1)  # (N,)
-        stored = norm.to(_NORM_DTYPE[self.norm_bits])
-        if not bool(torch.isfinite(stored).all()):
-            if not bool(torch.isfinite(norm).all()):
+        x32 = _float32_rows(x, d)  # (N, d)
+        n = x32.shape[0]
+        norm = np.sqrt(np.einsum("ij,ij->i", x32, x32))  # (N,)
+        with np.errstate(over="ignore"):  # an overflow is reported below, with what to do about it
+            stored = norm.astype(_NORM_NUMPY[self.norm_bits])
+        if not np.isfinite(stored).all():
+            if not np.isfinite(norm).all():
                 raise ValueError(f"turboquant: the {kind} cache has non-finite values (inf or nan); nothing to quantize")
             raise ValueError(f"turboquant: a {kind} vector's norm exceeds the float16 maximum 65504; "
                              "use compressor.norm_bits=32 to store norms as float32")
-        inv = torch.where(norm > 0, 1 / norm, torch.zeros_like(norm))  # a zero vector stays zero
-        y = plan.rotation.forward(x).mul_(inv[:, None])  # (N, d) rotated unit vectors
-        out: dict[str, bytes | tuple[bytes, int]] = {f"{kind}.norm": tensor_to_bytes(stored)}
+        inv = np.divide(1.0, norm, out=np.zeros_like(norm), where=norm > 0)  # a zero vector stays zero
+        y = plan.rotation.forward(torch.from_numpy(x32)).numpy()  # (N, d)
+        y *= inv[:, None]  # rotated unit vectors
+        out: dict[str, bytes | tuple[bytes, int]] = {f"{kind}.norm": tensor_to_bytes(torch.from_numpy(stored))}
         packed: list[bytes | None] = []
         for g in plan.groups:
             if g.bits == 0:
                 packed.append(None)
                 continue
-            codes = quantize(y[:, g.start : g.stop], g.thresholds.to(y.device))  # (N, width) uint8
-            raw, nbits = pack_codes(codes.cpu(), g.bits)
+            codes = quantize(torch.from_numpy(y[:, g.start : g.stop]), g.thresholds)  # (N, width) uint8
+            raw, nbits = pack_codes(codes, g.bits)
             packed.append(raw)
             out[f"{kind}.codes{g.bits}"] = (raw, nbits)
         if plan.sketch is not None:
-            r = y.cpu() - self._dequantize(plan, packed, n)  # (N, d) residual of the unit vector
-            r_norm = torch.linalg.vector_norm(r, dim=1).to(_NORM_DTYPE[self.norm_bits])  # (N,)
-            out[f"{kind}.qjl"] = pack_codes(plan.sketch.signs(r), 1)
-            out[f"{kind}.residual_norm"] = tensor_to_bytes(r_norm)
+            r = y - self._dequantize(plan, packed, n)  # (N, d) residual of the unit vector
+            r_norm = np.sqrt(np.einsum("ij,ij->i", r, r)).astype(_NORM_NUMPY[self.norm_bits])  # (N,)
+            out[f"{kind}.qjl"] = pack_codes(plan.sketch.signs(torch.from_numpy(r)), 1)
+            out[f"{kind}.residual_norm"] = tensor_to_bytes(torch.from_numpy(r_norm))
         return out
 
     def _decode_part(self, kind: str, sec: dict[str, bytes], plan: _Plan, n: int, dtype: torch.dtype) -> torch.Tensor:
         ndt = _NORM_DTYPE[self.norm_bits]
         packed = [None if g.bits == 0 else self._section(sec, f"{kind}.codes{g.bits}") for g in plan.groups]
         y = self._dequantize(plan, packed, n)  # (N, d)
+        norm = tensor_from_bytes(self._section(sec, f"{kind}.norm"), ndt, (n,)).numpy().astype(np.float32)  # (N,)
         if plan.sketch is not None:
             m = plan.sketch.m
             signs = dequantize_packed(self._section(sec, f"{kind}.qjl"), 1, n * m, _PLUS_MINUS).view(n, m)  # ±1
             r_norm = tensor_from_bytes(self._section(sec, f"{kind}.residual_norm"), ndt, (n,))
-            y += plan.sketch.reconstruct(signs, r_norm)
-        norm = tensor_from_bytes(self._section(sec, f"{kind}.norm"), ndt, (n,)).float()  # (N,)
-        return plan.rotation.inverse(y).mul_(norm[:, None]).to(dtype)  # (N, d)
+            y += plan.sketch.reconstruct(signs, r_norm).numpy()
+        y *= norm[:, None]
+        return plan.rotation.inverse(torch.from_numpy(y)).to(dtype)  # (N, d)
 
     @staticmethod
     def _section(sec: dict[str, bytes], name: str) -> bytes:

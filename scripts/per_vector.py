@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -49,52 +50,50 @@ def run_cell(overrides: list[str], handle: ModelHandle, force: bool) -> tuple[di
     if not force and (run_dir / "summary.json").exists():
         return json.loads((run_dir / "summary.json").read_text()), run_dir
     summary, rows = measure(cfg, comp, handle)
+    summary["load_average_1min"] = os.getloadavg()[0]  # timings on a shared machine: record how shared
     write_run(run_dir, summary, rows, cfg_dict)
     return summary, run_dir
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| method | bits (nominal) | bits/element | rel MSE K | rel MSE V | delta NLL (nats) | encode MB/s | decode MB/s |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| method | bits (nominal) | bits/element | rel MSE K | rel MSE V | delta NLL (nats) | encode MB/s | decode MB/s | load |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['method']} | {r['bits']:g} | {r['bits_per_element']:.3f} | {r['rel_mse_k']:.4f} | "
-                   f"{r['rel_mse_v']:.4f} | {r['delta_nll']:+.4f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} |")
+                   f"{r['rel_mse_v']:.4f} | {r['delta_nll']:+.4f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
+                   f"{r['load_average_1min']:.1f} |")
     return "\n".join(out)
 
 
 def figure(rows: list[dict], out: Path) -> None:
     from matplotlib import rc_context
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     style = {"font.size": 8, "axes.titlesize": 9, "legend.fontsize": 7, "axes.grid": True, "grid.alpha": 0.3,
              "lines.markersize": 4, "savefig.dpi": 200, "pdf.fonttype": 42}
+    panels = [  # (title, [(key, filled)], log y)
+        ("relative MSE of K", [("rel_mse_k", True)], True),
+        ("relative MSE of V", [("rel_mse_v", True)], True),
+        ("Δ NLL of 128 held-out tokens (nats)", [("delta_nll", True)], True),
+        ("MB/s of 16-bit KV (enc filled, dec open)", [("encode_MBps", True), ("decode_MBps", False)], False),
+    ]
     with rc_context(style):
-        fig = Figure(figsize=(10, 2.9), layout="constrained")
-        axes = fig.subplots(1, 3)
-        panels = [("rel_mse_k", "relative MSE of K", True), ("delta_nll", "Δ NLL of held-out tokens (nats)", True),
-                  ("decode_MBps", "throughput (MB/s of 16-bit KV)", False)]
-        for ax, (key, title, logy) in zip(axes, panels):
+        fig = Figure(figsize=(12, 3.2), layout="constrained")
+        for ax, (title, series, logy) in zip(fig.subplots(1, len(panels)), panels):
             for method, (color, marker, ls) in STYLE.items():
                 pts = sorted((r["bits_per_element"], r) for r in rows if r["method"] == method)
-                if not pts:
-                    continue
-                x = [p[0] for p in pts]
-                if key == "rel_mse_k":
-                    ax.plot(x, [p[1]["rel_mse_k"] for p in pts], color=color, marker=marker, ls=ls, label=f"{method} K")
-                    ax.plot(x, [p[1]["rel_mse_v"] for p in pts], color=color, marker=marker, ls=ls, alpha=0.45,
-                            mfc="none", label=f"{method} V")
-                elif key == "decode_MBps":
-                    ax.plot(x, [p[1]["encode_MBps"] for p in pts], color=color, marker=marker, ls=ls, label=f"{method} enc")
-                    ax.plot(x, [p[1]["decode_MBps"] for p in pts], color=color, marker=marker, ls=ls, alpha=0.45,
-                            mfc="none", label=f"{method} dec")
-                else:
-                    ax.plot(x, [max(p[1][key], 1e-5) for p in pts], color=color, marker=marker, ls=ls, label=method)
+                for key, filled in series:
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1][key] for p in pts], color=color, marker=marker, ls=ls,
+                                mfc=color if filled else "none")
             ax.set_xlabel("bits per element (actual, all charged)")
             ax.set_title(title)
             if logy:
                 ax.set_yscale("log")
-            ax.legend(ncol=2 if key != "delta_nll" else 1)
-        fig.suptitle("SmolLM2-135M, SOTU, 4 x 1024 tokens: per-vector quantizers")
+        handles = [Line2D([], [], color=c, marker=m, ls=ls, label=name) for name, (c, m, ls) in STYLE.items()]
+        fig.legend(handles=handles, loc="outside lower center", ncol=len(handles))
+        fig.suptitle("SmolLM2-135M, SOTU, 4 x 1024-token windows: per-vector quantizers (KIVI r=0: no 16-bit window)")
         out.parent.mkdir(parents=True, exist_ok=True)
         for ext in ("png", "pdf"):
             fig.savefig(out.with_suffix(f".{ext}"))
@@ -103,17 +102,22 @@ def figure(rows: list[dict], out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true", help="recompute cells that already have a finished run")
+    p.add_argument("--figure-only", action="store_true", help="redraw the figure from results/per_vector.json")
     args = p.parse_args()
+    root = results_root()
+    if args.figure_only:
+        figure(json.loads((root / "per_vector.json").read_text()), root / "figures" / "per_vector")
+        return
     handle = ModelHandle(compose([]).model)
     rows = []
     for method, bits, overrides in CELLS:
         s, run_dir = run_cell(overrides, handle, args.force)
-        row = {"method": method, "bits": bits, **{k: s[k] for k in KEYS}, "run": str(run_dir.name)}
+        row = {"method": method, "bits": bits, **{k: s[k] for k in KEYS}, "run": str(run_dir.name),
+               "load_average_1min": s.get("load_average_1min", os.getloadavg()[0])}
         rows.append(row)
         print(f"{method:<9} {bits:>4}: {row['bits_per_element']:.3f} b/el  rel MSE K {row['rel_mse_k']:.4f} "
               f"V {row['rel_mse_v']:.4f}  dNLL {row['delta_nll']:+.4f}  enc {row['encode_MBps']:.0f} "
               f"dec {row['decode_MBps']:.0f} MB/s", flush=True)
-    root = results_root()
     (root / "per_vector.json").write_text(json.dumps(rows, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
     figure(rows, root / "figures" / "per_vector")
     print(markdown(rows))

@@ -6,9 +6,12 @@ SPEC is a config name from configs/compressor/ (default: all of them, found at r
 overrides, e.g. ``turboquant:variant=prod,bits=2.5``. Each compressor is fitted on the trace's calibration
 sequences, warmed up once, then timed over ``--repeats`` passes of encode and decode (decode from the stored bytes
 alone, as the harness does); the best pass is reported (the least disturbed by other load on the machine) next
-to the median, and so is MB per CPU-second of the process (all its threads), which other load cannot inflate. Compressors that need the model get it (the model load is not timed); set compressors (cross-session
-dedup) are timed on single sequences, where they find nothing to share. Any compressor that cannot run here is
-listed with the reason instead of a number. Wrap the command in ``flock`` so that timings never overlap.
+to the median, and so is MB per CPU-second of the process (all its threads), which other load distorts less than
+wall time. The load average before and after is printed too. Compressors that need the model get it (the model
+load is not timed); set compressors (cross-session dedup) are timed on single sequences, where they find nothing
+to share. Any compressor that cannot run here is listed with the reason instead of a number. ``--extra SPEC``
+adds variants after the default list. Wrap the command in ``flock`` so that timings never overlap; set
+``OMP_NUM_THREADS`` to compare torch thread counts.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float)
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("specs", nargs="*", help="config names (default: every configs/compressor/*.yaml), NAME:field=value,...")
+    p.add_argument("--extra", action="append", default=[], metavar="SPEC",
+                   help="time this spec too, after the default list (repeatable), e.g. turboquant:variant=prod")
     p.add_argument("--sequences", type=int, default=1, help="eval sequences of the trace to time (each 2 x 30 x 3 x 1024 x 64 for SmolLM2)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes after one warm-up pass")
     p.add_argument("--budget-s", type=float, default=60.0, help="stop adding passes to one compressor after this long")
@@ -99,7 +104,7 @@ def main() -> int:
     p.add_argument("--override", action="append", default=[], help="run-config override for the trace, e.g. dataset.seq_len=2048")
     args = p.parse_args()
 
-    specs = args.specs or available("compressor")
+    specs = (args.specs or available("compressor")) + args.extra
     cfg = compose(args.override)
     handle = ModelHandle(cfg.model, cfg.device)
     trace = load_or_capture(cfg, handle)

@@ -13,8 +13,8 @@ prefill does not round like one-token steps, so the encoder does not take its ro
 the same one-token-per-step loop with a KV cache and the same float64 softmax, and hand constriction the same
 ``(n, V)`` float64 rows (``Categorical(perfect=False)``). The loop runs on a fixed number of intra-op threads
 (``threads``, default 1): how a reduction is split across threads is part of the arithmetic, so it must not
-follow the core count of whichever machine decodes (one thread is also the fastest way to run one-token steps of
-a small model on a busy CPU: 0.13 s against 1.3 s per step with 2 threads on 2 shared cores). A CRC-32 of the ids travels in the stream, so a decoder
+follow the core count of whichever machine decodes (one thread also suits one-token steps of a small model on a
+busy CPU, where more threads oversubscribe the cores). A CRC-32 of the ids travels in the stream, so a decoder
 whose arithmetic differs (other hardware, kernels or thread counts) fails loudly instead of returning other text.
 """
 

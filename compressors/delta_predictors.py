@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvbench.packing import pack_codes, tensor_to_bytes
@@ -84,10 +85,15 @@ def exact_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _solve(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
-    """Ridge least squares from normal equations ``G`` (..., n, n) and ``R`` (..., n, m)."""
+    """Ridge least squares from normal equations ``G`` (..., n, n) and ``R`` (..., n, m).
+
+    Solved in numpy: torch's batched ``linalg.solve`` runs MKL's threaded LU inside its own OpenMP loop over the
+    batch, and that nesting can spin forever on two cores (seen with 29 systems of 193 unknowns).
+    """
     n = G.shape[-1]
     lam = RIDGE * G.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    return torch.linalg.solve(G + lam[..., None, None] * torch.eye(n, dtype=G.dtype), R)
+    A = (G + lam[..., None, None] * torch.eye(n, dtype=G.dtype)).numpy()
+    return torch.from_numpy(np.linalg.solve(A, R.numpy())).to(G.dtype)
 
 
 class Predictor:

@@ -8,10 +8,11 @@ windows, NLL of 128 held-out tokens), writes every run under ``results/runs/`` a
 
     results/per_vector.json            one compact row per cell
     results/figures/per_vector.{png,pdf}
+    results/per_vector.md              its table, between the markers (the findings around it are kept)
 
-and prints the table as markdown. TurboQuant runs at 2, 2.5, 3, 3.5 and 4 bits; KIVI only at whole bits (its
-codes are integer-width), with its default 128-token 16-bit window and with none (residual=0), since the window
-alone adds about 1.75 bits per element at 1024 tokens.
+``--no-run`` redraws the figure and the table from per_vector.json. TurboQuant runs at 2, 2.5, 3, 3.5 and 4
+bits; KIVI only at whole bits (its codes are integer-width), with its default 128-token 16-bit window and with
+none (residual=0), since the window alone adds about 1.75 bits per element at 1024 tokens.
 """
 
 from __future__ import annotations
@@ -55,14 +56,31 @@ def run_cell(overrides: list[str], handle: ModelHandle, force: bool) -> tuple[di
     return summary, run_dir
 
 
+LABEL = {"TQ_mse": "TQ_mse", "TQ_prod": "TQ_prod", "KIVI": "KIVI (128-token window)", "KIVI r=0": "KIVI, no window"}
+TABLE_OPEN, TABLE_CLOSE = "<!-- table: written by scripts/per_vector.py -->", "<!-- /table -->"
+
+
 def markdown(rows: list[dict]) -> str:
-    out = ["| method | bits (nominal) | bits/element | rel MSE K | rel MSE V | delta NLL (nats) | encode MB/s | decode MB/s | load |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| method | nominal bits | bits/element | rel MSE K | rel MSE V | ΔNLL (nats) | encode MB/s | decode MB/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['method']} | {r['bits']:g} | {r['bits_per_element']:.3f} | {r['rel_mse_k']:.4f} | "
-                   f"{r['rel_mse_v']:.4f} | {r['delta_nll']:+.4f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | "
-                   f"{r['load_average_1min']:.1f} |")
+        out.append(f"| {LABEL.get(r['method'], r['method'])} | {r['bits']:g} | {r['bits_per_element']:.3f} "
+                   f"| {r['rel_mse_k']:.4f} | {r['rel_mse_v']:.4f} | {r['delta_nll']:+.4f} | {r['encode_MBps']:.0f} "
+                   f"| {r['decode_MBps']:.0f} |")
     return "\n".join(out)
+
+
+def write_table(rows: list[dict], md: Path) -> None:
+    """Put the table into ``md`` between its markers (the prose around it is kept), or start the file with it."""
+    block = f"{TABLE_OPEN}\n{markdown(rows)}\n{TABLE_CLOSE}"
+    text = md.read_text() if md.exists() else "# Per-vector quantizers: TurboQuant and KIVI\n\n"
+    if TABLE_OPEN in text and TABLE_CLOSE in text:
+        head, rest = text.split(TABLE_OPEN, 1)
+        text = head + block + rest.split(TABLE_CLOSE, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    md.write_text(text)
+    print(f"-> {md}")
 
 
 def figure(rows: list[dict], out: Path) -> None:
@@ -102,11 +120,13 @@ def figure(rows: list[dict], out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true", help="recompute cells that already have a finished run")
-    p.add_argument("--figure-only", action="store_true", help="redraw the figure from results/per_vector.json")
+    p.add_argument("--no-run", action="store_true", help="figure and table from results/per_vector.json alone")
     args = p.parse_args()
     root = results_root()
-    if args.figure_only:
-        figure(json.loads((root / "per_vector.json").read_text()), root / "figures" / "per_vector")
+    if args.no_run:
+        rows = json.loads((root / "per_vector.json").read_text())
+        figure(rows, root / "figures" / "per_vector")
+        write_table(rows, root / "per_vector.md")
         return
     handle = ModelHandle(compose([]).model)
     rows = []
@@ -120,7 +140,7 @@ def main() -> None:
               f"dec {row['decode_MBps']:.0f} MB/s", flush=True)
     (root / "per_vector.json").write_text(json.dumps(rows, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
     figure(rows, root / "figures" / "per_vector")
-    print(markdown(rows))
+    write_table(rows, root / "per_vector.md")
 
 
 if __name__ == "__main__":

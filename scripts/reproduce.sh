@@ -43,8 +43,8 @@ locked() { flock "$LOCK" "$@"; }
 sweep() { KVBENCH_RESULTS=$SWEEPS locked "$PY" -m kvbench run -m "$@"; }
 kvb() { KVBENCH_RESULTS=$SWEEPS locked "$PY" -m kvbench "$@"; }
 
-# Per model: data size of the sweeps (SmolLM2 at the run defaults, 4 x 1024 tokens; gemma-3-270m costs several
-# times SmolLM2's time per token here, 262k-token vocabulary and 640-wide layers: 2 windows), context lengths,
+# Per model: data size of the sweeps (the run defaults, 4 x 1024 tokens; gemma-3-270m's context sweep stops at
+# 1024: it costs several times SmolLM2's time per token here, 262k-token vocabulary and 640-wide layers), context lengths,
 # TurboQuant variants, share rates. Delta and recompute code token by token (seconds per sequence): the bound
 # sweep runs delta at the model's data size and the model-running coders (recompute, delta with the model
 # predictor) on one 256-token window.
@@ -65,7 +65,7 @@ if [[ "${QUICK:-0}" == 1 ]]; then
     LATENCY_RECOMPUTE=(latency.contexts=[128] latency.decode_tokens=2)
 else
     DATA_smollm2_135m=""
-    DATA_gemma3_270m="dataset.n_sequences=2"
+    DATA_gemma3_270m=""
     CTX_smollm2_135m=256,512,1024,2048
     CTX_gemma3_270m=256,512,1024
     KIVI_BITS=2,3,4,8
@@ -75,8 +75,8 @@ else
     SHARE_smollm2_135m=0.0,0.2,0.4,0.6
     SHARE_gemma3_270m=0.0,0.3,0.6
     SESSIONS=32
-    EVAL=(tasks=[goal_inference,implicatures,sotu_lastword,passkey] passkey.lengths=[1024,2048] limit=20)
-    LATENCY=(latency.contexts=[512,2048] latency.decode_tokens=32)
+    EVAL=()     # configs/eval.yaml: six tasks, 30 examples each, passkey at 1k, 2k and 4k tokens
+    LATENCY=()  # configs/latency.yaml: contexts 512, 2048 and 4096, 64 decoded tokens
     # recompute re-runs the prefill on every read: one short context is enough to see the price
     LATENCY_RECOMPUTE=(latency.contexts=[512] latency.decode_tokens=4)
 fi
@@ -124,6 +124,8 @@ for m in $MODELS; do
     step "context length ($m)" sweep +experiment=context_length model="$m" "${data[@]}" dataset.seq_len="$ctx"
     step "bound: 16-bit, lossless, delta ($m)" sweep +experiment=bound model="$m" "${data[@]}" \
         +compressor=identity,lossless,delta
+    step "bound: delta with per-channel steps ($m)" sweep +experiment=bound model="$m" "${data[@]}" +compressor=delta \
+        compressor.bits=2,3
     step "bound: coders that run the model ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" \
         +compressor=identity,recompute
     step "delta, model predictor ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" +compressor=delta \

@@ -93,6 +93,7 @@ COST_COLUMNS = [
 BOUND_COLUMNS = [
     ("model", "model", "model", "s"),
     ("context_len", "context", "context", "d"),
+    ("n_sequences", "windows", "windows", "d"),
     ("bound_bits_per_token", "bound bits/token", "bound", ".2f"),
     ("compressor", "best measured", "best", "s"),
     ("bits_per_token", "its bits/token", "bits/token", ",.2f"),
@@ -116,16 +117,18 @@ def bound_table(df: pd.DataFrame) -> pd.DataFrame:
     d = df.assign(series=series_label(df), bpt=_num(df, "bits_per_token"), dnll=_num(df, "delta_nll"),
                   base=_num(df, "nll_base"), tokens=stores_tokens(df))
     ok = d[((d["dnll"] <= 0.01 * d["base"]) | _lossless(d)) & d["bpt"].notna()]
+    # one bound per set of windows: the same context length over a different number of windows is other text
+    keys = [k for k in ("model", "context_len", "n_sequences") if k in d]
     if ok.empty:
         return pd.DataFrame()
     picks = []
     for which, sub in (("overall", ok), ("KV only", ok[~ok["tokens"]])):
         if not sub.empty:
-            picks.append(sub.loc[sub.groupby(["model", "context_len"])["bpt"].idxmin()].assign(which=which))
-    best = pd.concat(picks).sort_values(["model", "context_len", "which"], ascending=[True, True, False])
+            picks.append(sub.loc[sub.groupby(keys)["bpt"].idxmin()].assign(which=which))
+    best = pd.concat(picks).sort_values([*keys, "which"], ascending=[True] * len(keys) + [False])
     best["compressor"] = best["which"] + ": " + best["compressor"].astype(str) + " " + best["params"].fillna("")
     paper = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
-    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {x:,.2f}x")
+    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {x:.2f}x" if x < 100 else f"{paper:,.0f}x -> {x:,.0f}x")
     return best
 
 

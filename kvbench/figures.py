@@ -144,6 +144,12 @@ def rate_distortion(df: pd.DataFrame):
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
+            if "context_len" in g and g["context_len"].nunique() > 1:
+                # one curve per compressor must be one context: other lengths are other text, and a line through
+                # them zig-zags; they belong to the context-length figure
+                ctx = g["context_len"].mode().iloc[0]
+                g = g[g["context_len"] == ctx]
+                title = f"{title}, {int(ctx)}-token windows"
             for name, s in g.groupby("series", sort=True):
                 s = s.sort_values("bits_per_element")
                 ax.plot(s["bits_per_element"], s["delta_nll"], label=name, **styles[name])

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate results/README.md and results/report/ from scratch, for SmolLM2-135M and gemma-3-270m: the sweeps
 # behind the report's figures, task accuracy and end-to-end latency cells, `python -m kvbench report`, and the
-# README's tables. About an hour on a 2-core machine with nothing else running (each step's time goes to
+# README's tables. 35 minutes on this 2-core machine with nothing else running (each step's time goes to
 # results/reproduce.log).
 #
-#   scripts/reproduce.sh                      # everything above, both models (about an hour)
+#   scripts/reproduce.sh                      # everything above, both models (35 minutes)
 #   MODELS=smollm2_135m scripts/reproduce.sh  # one model
 #   QUICK=1 scripts/reproduce.sh              # minutes: one short window per cell, few cells
 #   FINDINGS=1 scripts/reproduce.sh           # also the per-part studies behind results/<part>.md (hours)

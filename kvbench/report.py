@@ -223,6 +223,11 @@ def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFr
                                                                    ascending=[True, True, False])
 
 
+def format_ratio(x: float) -> str:
+    """A ratio spanning decades: two decimals near 1 (1.08 x the bound), none far from it (36,360 x)."""
+    return f"{x:.2f}" if abs(x) < 100 else f"{x:,.0f}"
+
+
 def _fmt(v, spec: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -230,8 +235,8 @@ def _fmt(v, spec: str) -> str:
         return _plain(v)
     if spec == "d":
         return f"{int(v)}"
-    if spec == "x":  # a ratio spanning decades: 1.08 near the bound, 36,360 far from it
-        spec = ".2f" if abs(float(v)) < 100 else ",.0f"
+    if spec == "x":
+        return format_ratio(float(v))
     try:
         if isinstance(v, float) and math.isinf(v):
             return "inf"

@@ -43,8 +43,8 @@ locked() { flock "$LOCK" "$@"; }
 sweep() { KVBENCH_RESULTS=$SWEEPS locked "$PY" -m kvbench run -m "$@"; }
 kvb() { KVBENCH_RESULTS=$SWEEPS locked "$PY" -m kvbench "$@"; }
 
-# Per model: data size of the sweeps (the run defaults, 4 x 1024 tokens; gemma-3-270m's context sweep stops at
-# 1024: it costs several times SmolLM2's time per token here, 262k-token vocabulary and 640-wide layers), context lengths,
+# Per model: data size of the sweeps (the run defaults, 4 x 1024 tokens), context lengths (gemma-3-270m's stop at
+# 1024: it costs several times SmolLM2's time per token here, 262k-token vocabulary and 640-wide layers),
 # TurboQuant variants, share rates. Delta and recompute code token by token (seconds per sequence): the bound
 # sweep runs delta at the model's data size and the model-running coders (recompute, delta with the model
 # predictor) on one 256-token window.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report import BEST_COLUMNS, best_at_tolerance, collect, series_label, to_markdown
+from kvbench.report import BEST_COLUMNS, best_at_tolerance, collect, format_ratio, series_label, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 # Hand-written findings live between these markers, one block per section; regenerating keeps them.
@@ -128,7 +128,7 @@ def bound_table(df: pd.DataFrame) -> pd.DataFrame:
     best = pd.concat(picks).sort_values([*keys, "which"], ascending=[True] * len(keys) + [False])
     best["compressor"] = best["which"] + ": " + best["compressor"].astype(str) + " " + best["params"].fillna("")
     paper = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
-    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {x:.2f}x" if x < 100 else f"{paper:,.0f}x -> {x:,.0f}x")
+    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {format_ratio(x)}x")
     return best
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvbench.config import available, compose, make_compressor
 from kvbench.paths import repo_root
+from kvbench.report import format_ratio
 
 LOCK = "/tmp/kvbench-bench.lock"
 STEPS = (0.1, 0.5)
@@ -103,10 +104,6 @@ def _fmt(x: float, digits: int = 3) -> str:
     return "–" if x != x else f"{x:,.{digits}f}"
 
 
-def _ratio(x: float) -> str:
-    return f"{x:.2f}" if x < 100 else f"{x:,.0f}"
-
-
 def tables(found: list[tuple[str, list[str], dict]]) -> str:
     s0 = found[0][2]
     n_seq, T = s0["n_sequences"], s0["n_tokens"] // s0["n_sequences"]
@@ -120,7 +117,7 @@ def tables(found: list[tuple[str, list[str], dict]]) -> str:
     ]
     for label, _, s in found:
         lines.append(
-            f"| {label} | {s['bits_per_token']:,.1f} | {_ratio(s['bits_per_token'] / s['bound_bits_per_token'])} "
+            f"| {label} | {s['bits_per_token']:,.1f} | {format_ratio(s['bits_per_token'] / s['bound_bits_per_token'])} "
             f"| {s['compression_ratio']:,.2f} | {s['bits_per_element']:.3f} | {'yes' if s['lossless'] else 'no'} "
             f"| {s['rel_mse_k']:.2e} / {s['rel_mse_v']:.2e} | {_fmt(s['delta_nll'], 4)} "
             f"| {s['encode_s'] / s['n_sequences']:.2f} | {s['decode_s'] / s['n_sequences']:.2f} |")

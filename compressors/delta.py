@@ -60,7 +60,8 @@ import torch
 
 from compressors.delta_predictors import CrossLayer, FromModel, Predictor, QuantizedWeights, Temporal
 from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import Compressor, check_choice, check_range
+from kvbench.checks import check_choice, check_range
+from kvbench.compressor import Compressor
 from kvbench.entropy import StreamDecoder, StreamEncoder
 from kvbench.float_coding import decode_values, encode_values
 from kvbench.kv import Context, KVSequence

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.bitstream import Bitstream
-from kvbench.compressor import Compressor, check_range
+from kvbench.checks import check_range
+from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
 from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from kvbench.bitstream import Bitstream
-from kvbench.compressor import Compressor, check_choice
+from kvbench.checks import check_choice
+from kvbench.compressor import Compressor
 from kvbench.entropy import StreamDecoder, StreamEncoder, ideal_bits_laplace
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
 

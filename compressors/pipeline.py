@@ -11,14 +11,15 @@ a :class:`~compressors.trie.Trie` (node or name).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from compressors.trie import Trie
 from kvbench.bitstream import Bitstream
-from kvbench.compressor import Compressor
+from kvbench.compressor import Compressor, Section, SetCompressor
 from kvbench.kv import Context, KVSequence
+from kvbench.prefix.cache import PrefixCache
 
 
 def resolve_compressor(spec: Any, where: str) -> Compressor:
@@ -45,7 +46,7 @@ def resolve_compressor(spec: Any, where: str) -> Compressor:
 
 
 @dataclass
-class Pipeline(Compressor):
+class Pipeline(SetCompressor):
     """``dedup`` (exact prefix trie) around ``inner``: shared prefixes once, every stored segment coded by
     ``inner``. Lossless exactly when ``inner`` is."""
 
@@ -59,7 +60,7 @@ class Pipeline(Compressor):
         self.dedup = resolve_compressor(self.dedup, "pipeline.dedup")
         if not isinstance(self.dedup, Trie):
             raise ValueError(f"pipeline.dedup must be a trie (compressors.trie.Trie); got {self.dedup.name!r}")
-        if hasattr(self.inner, "encode_set"):
+        if isinstance(self.inner, SetCompressor):
             raise ValueError(f"pipeline.inner={self.inner.name!r} is itself a set compressor; give a per-sequence one")
         # instance attributes: what the harness expects depends on the inner stage
         self.lossless = bool(self.inner.lossless and self.dedup.lossless)
@@ -68,17 +69,20 @@ class Pipeline(Compressor):
     def fit(self, calib: Sequence[KVSequence]) -> None:
         self.inner.fit(calib)
 
-    def side_info_bits(self) -> int:
-        return self.inner.side_info_bits()
+    def state(self) -> dict[str, Section]:
+        return {f"inner/{k}": v for k, v in self.inner.state().items()}
+
+    def load_state(self, sections: Mapping[str, bytes]) -> None:
+        stray = sorted(k for k in sections if not k.startswith("inner/"))
+        if stray:
+            raise ValueError(f"pipeline state sections must belong to the inner compressor; got {stray}")
+        self.inner.load_state({k.removeprefix("inner/"): v for k, v in sections.items()})
 
     def stats(self) -> dict[str, Any]:
-        return self.inner.stats() if hasattr(self.inner, "stats") else {}
+        return self.inner.stats()
 
-    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
-        return self.encode_set([kv], [ctx])
-
-    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
-        return self.decode_set(bs, [ctx])[0]
+    def prefix_cache(self) -> PrefixCache:
+        return self.dedup.prefix_cache()
 
     def encode_set(self, kvs: Sequence[KVSequence], ctxs: Sequence[Context]) -> Bitstream:
         return self.dedup.encode_set(kvs, ctxs, inner=self.inner, name=self.name)

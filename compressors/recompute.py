@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import Compressor, check_range
+from kvbench.checks import check_range
+from kvbench.compressor import Compressor
 from kvbench.entropy import StreamDecoder, StreamEncoder, ideal_bits_categorical
 from kvbench.kv import Context, KVSequence
 from kvbench.timing import Stopwatch

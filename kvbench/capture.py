@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ from kvbench.atomic import staged_dir
 from kvbench.data import load_documents, sample_windows
 from kvbench.kv import KVSequence
 from kvbench.models import ModelHandle, describe
-from kvbench.paths import home, repo_root
+from kvbench.paths import home
+from kvbench.results import git_sha
 
 TRACE_FORMAT = 1
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,17 +37,6 @@ def cache_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not allowed; the cache baseline is 16-bit: {sorted(DTYPES)}")
     return DTYPES[name]
-
-
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "HEAD"], capture_output=True, text=True)
-        sha = out.stdout.strip() if out.returncode == 0 else "unknown"
-        dirty = subprocess.run(["git", "-C", str(repo_root()), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 @dataclass
@@ -201,3 +190,8 @@ def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:
         trace = capture(cfg, handle, out)
     trace.captured = True
     return trace
+
+
+def calib_windows(cfg: Any, handle: ModelHandle) -> list[KVSequence]:
+    """The run trace's calibration windows (disjoint from the evaluated ones), captured once, then reused."""
+    return [s.kv for s in load_or_capture(cfg, handle).calib]

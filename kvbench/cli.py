@@ -1,9 +1,12 @@
-"""Hydra entry points for ``run`` and ``capture``. Thin: the work is in ``kvbench.runner`` and ``kvbench.capture``."""
+"""Hydra entry points for ``run``, ``eval``, ``latency`` and ``capture``. Thin: each measuring command is one cell
+through :func:`cell`, which reuses a finished run of the same config or measures and writes one
+(:mod:`kvbench.results`); the work is in ``kvbench.runner``, ``kvbench.evaluation.runner`` and ``kvbench.latency``.
+"""
 
 from __future__ import annotations
 
-import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -33,28 +36,47 @@ def _sweep_cell() -> bool:
     return True
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
-def _run(cfg: DictConfig) -> None:
-    from kvbench.runner import format_summary, measure, run_dir_for, write_run
+def cell(kind: str, cfg: DictConfig, measure: Callable, fmt: Callable[[dict], str]) -> None:
+    """Reuse the newest finished run of this config (``metrics.resume``) or measure one and write it."""
+    from kvbench.results import kind_of, reuse_or_measure
 
     in_sweep = _sweep_cell()
     try:
         compressor = make_compressor(cfg.get("compressor"))
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        run_dir = run_dir_for(cfg_dict, compressor)
-        if cfg.metrics.resume and (run_dir / "summary.json").exists():
-            summary = json.loads((run_dir / "summary.json").read_text())
-            print(f"reusing finished run {run_dir} (same config and code; metrics.resume=false recomputes)")
-        else:
-            summary, rows = measure(cfg, compressor)
-            write_run(run_dir, summary, rows, cfg_dict)
+        out = reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(),
+                               lambda: measure(cfg, compressor), cfg.metrics.resume)
     except USER_ERRORS as e:
         if in_sweep:
             print(f"error: {e}", file=sys.stderr)
             raise  # the launcher marks this cell failed, runs the others, then exits non-zero
         _fail(e)
-    print(format_summary(summary))
-    print(f"  -> {run_dir / 'summary.json'}")
+    if out.reused:
+        print(f"reusing finished run {out.path} (same config, code {out.summary.get('git_sha', '?')[:12]}; "
+              "metrics.resume=code reuses only runs of this code version, metrics.resume=false recomputes)")
+    print(fmt(out.summary))
+    print(f"  -> {out.path / kind_of(kind).summary}")
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
+def _run(cfg: DictConfig) -> None:
+    from kvbench.runner import format_summary, measure
+
+    cell("run", cfg, measure, format_summary)
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="eval", version_base="1.3")
+def _eval(cfg: DictConfig) -> None:
+    from kvbench.evaluation.runner import evaluate, format_eval
+
+    cell("eval", cfg, evaluate, format_eval)
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="latency", version_base="1.3")
+def _latency(cfg: DictConfig) -> None:
+    from kvbench.latency import format_latency, measure_latency
+
+    cell("latency", cfg, measure_latency, format_latency)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
@@ -81,6 +103,14 @@ def _hydra(entry, argv: list[str], prog: str) -> int:
 
 def run_main(argv: list[str]) -> int:
     return _hydra(_run, argv, "kvbench-run")
+
+
+def eval_main(argv: list[str]) -> int:
+    return _hydra(_eval, argv, "kvbench-eval")
+
+
+def latency_main(argv: list[str]) -> int:
+    return _hydra(_latency, argv, "kvbench-latency")
 
 
 def capture_main(argv: list[str]) -> int:

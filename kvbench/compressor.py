@@ -1,19 +1,26 @@
 """The compressor interface.
 
 A compressor turns one sequence's KV into a :class:`~kvbench.bitstream.Bitstream` and back. Its decoder gets the
-bitstream and the :class:`~kvbench.kv.Context` (shapes, dtype, model) and nothing else. Hyperparameters are
-dataclass fields, validated in ``__post_init__``; composition is by wrapping one compressor in another.
+bitstream, the :class:`~kvbench.kv.Context` (shapes, dtype, model) and the codec's fitted state *as bytes*, nothing
+else: the harness serialises the encoder's state with :meth:`Compressor.state`, counts those bytes itself and
+decodes on a fresh instance rebuilt from the config (:func:`rebuild`) that has loaded them (:meth:`load_state`).
+Hyperparameters are dataclass fields, validated in ``__post_init__``; composition is by wrapping one compressor in
+another. A compressor that codes a set of sessions together (cross-session dedup) subclasses :class:`SetCompressor`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from kvbench.bitstream import Bitstream
 from kvbench.kv import Context, KVSequence
+from kvbench.prefix.cache import PrefixCache
+
+#: a state or bitstream section: ``bytes`` (every bit counts) or ``(bytes, exact_bits)``
+Section = bytes | tuple[bytes, int]
 
 
 class Compressor(abc.ABC):
@@ -35,12 +42,20 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence: ...
 
-    def side_info_bits(self) -> int:
-        """Bits of state shared by every sequence (fitted predictor weights, codebooks that are not derivable).
+    def state(self) -> dict[str, Section]:
+        """What :meth:`fit` learned that the decoder needs (predictor weights, fitted steps, codebooks that are
+        not derivable from the config), as named byte sections; empty when nothing was fitted.
 
-        The harness charges them once per run and reports them amortised per token.
+        The harness frames these sections, counts every bit of the frame itself (``codec_bits``, charged once per
+        run) and hands the bytes to a fresh instance's :meth:`load_state`: nothing else crosses from encoder to
+        decoder.
         """
-        return 0
+        return {}
+
+    def load_state(self, sections: Mapping[str, bytes]) -> None:
+        """Restore what :meth:`state` wrote, on an instance built from the same config that was never fitted."""
+        if sections:
+            raise ValueError(f"compressor {self.name!r} has no fitted state, but state sections {sorted(sections)} were given")
 
     def stats(self) -> dict[str, Any]:
         """What the compressor measured along the way, summed over the run's sequences: time per stage (a model
@@ -51,20 +66,52 @@ class Compressor(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Name and hyperparameters, for summaries."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}
-        return {"name": self.name, **{k: v.describe() if isinstance(v, Compressor) else v for k, v in fields.items()}}
+        return {"name": self.name, **{k: v.describe() if isinstance(v, Compressor) else v for k, v in _fields(self).items()}}
 
 
-def check_choice(owner: str, field: str, value: Any, allowed: Iterable[Any]) -> None:
-    """Raise a ValueError that names the field, the bad value and what is allowed."""
-    allowed = list(allowed)
-    if value not in allowed:
-        raise ValueError(f"{owner}.{field}={value!r} is not allowed; choose one of {allowed}")
+class SetCompressor(Compressor):
+    """A compressor that codes a set of sessions into one bitstream (cross-session dedup).
+
+    The harness hands a workload's sessions to :meth:`encode_set` together; one sequence alone is a set of one.
+    """
+
+    @abc.abstractmethod
+    def encode_set(self, kvs: Sequence[KVSequence], ctxs: Sequence[Context]) -> Bitstream: ...
+
+    @abc.abstractmethod
+    def decode_set(self, bs: Bitstream, ctxs: Sequence[Context]) -> list[KVSequence]: ...
+
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
+        return self.encode_set([kv], [ctx])
+
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
+        return self.decode_set(bs, [ctx])[0]
+
+    def prefix_cache(self) -> PrefixCache:
+        """The prefix cache (granularity, budget, policy) the sessions are replayed through for the workload's
+        hit-rate statistics; a fresh, empty one."""
+        return PrefixCache()
 
 
-def check_range(owner: str, field: str, value: float, lo: float, hi: float, *, integer: bool = False) -> None:
-    """Raise a ValueError unless ``lo <= value <= hi`` (and integral when asked)."""
-    if integer and (isinstance(value, bool) or int(value) != value):
-        raise ValueError(f"{owner}.{field}={value!r} must be a whole number in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise ValueError(f"{owner}.{field}={value!r} is out of range; allowed: {lo} <= {field} <= {hi}")
+def fits(c: Compressor) -> bool:
+    """True when ``c`` (or a compressor it wraps) learns anything in :meth:`Compressor.fit`."""
+    if type(c).fit is not Compressor.fit:
+        return True
+    return any(fits(v) for v in _fields(c).values() if isinstance(v, Compressor))
+
+
+def _fields(c: Compressor) -> dict[str, Any]:
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c)} if dataclasses.is_dataclass(c) else {}
+
+
+def config_of(c: Compressor) -> dict[str, Any]:
+    """The hyperparameters that rebuild ``c``, wrapped compressors as nested dicts (no fitted state)."""
+    return {k: config_of(v) if isinstance(v, Compressor) else v for k, v in _fields(c).items()}
+
+
+def rebuild(c: Compressor) -> Compressor:
+    """A fresh, unfitted instance of ``c``'s class from its hyperparameters alone (wrapped compressors rebuilt
+    likewise): the decoder the harness uses, so that nothing but the config and the state bytes reaches it."""
+    import copy
+
+    return type(c)(**{k: rebuild(v) if isinstance(v, Compressor) else copy.deepcopy(v) for k, v in _fields(c).items()})

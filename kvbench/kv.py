@@ -54,6 +54,15 @@ class KVSequence:
         )
 
 
+def first_kv_mismatch(a: KVSequence, b: KVSequence, n: int) -> int:
+    """The first of the leading ``n`` tokens where ``a`` and ``b`` differ in any layer, head or channel (``n``
+    when they agree on all of them)."""
+    diff = (a.k[:, :, :n] != b.k[:, :, :n]) | (a.v[:, :, :n] != b.v[:, :, :n])  # (L, H, n, D)
+    bad = diff.any(dim=3).any(dim=1).any(dim=0)  # (n,)
+    idx = torch.nonzero(bad)
+    return int(idx[0]) if idx.numel() else n
+
+
 @dataclass
 class Context:
     """What the decoder is given for free: shapes, dtype and the model.

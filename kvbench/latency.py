@@ -24,11 +24,12 @@ import torch
 from transformers import DynamicCache
 
 from kvbench.cache import CompressedCache
-from kvbench.calibrate import fit_compressor
-from kvbench.capture import cache_dtype, git_sha
+from kvbench.capture import cache_dtype, calib_windows
+from kvbench.codec import prepare
 from kvbench.compressor import Compressor
 from kvbench.data import load_documents, sample_windows
 from kvbench.models import ModelHandle
+from kvbench.results import git_sha
 
 
 class Memory:
@@ -123,7 +124,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     contexts = [int(c) for c in lat.contexts]
     if not contexts or min(contexts) < 2:
         raise ValueError(f"latency.contexts={contexts} must list context lengths of at least 2 tokens")
-    fit_s = fit_compressor(cfg, compressor, handle)
+    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device).fit_s
     model = handle.model
     model_dtype = cache_dtype(cfg.dtype) if lat.model_dtype == "cache" else getattr(torch, str(lat.model_dtype))
     model.to(model_dtype)

@@ -72,6 +72,11 @@ class ModelHandle:
         self._meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"path": str(path)}
 
     @property
+    def loaded(self) -> bool:
+        """True once the weights are in memory (a run on a stored trace without NLL never loads them)."""
+        return self._model is not None
+
+    @property
     def model(self) -> Any:
         if self._model is None:
             self._load()
@@ -86,7 +91,3 @@ class ModelHandle:
     @property
     def info(self) -> ModelInfo:
         return describe(self.model, self.cfg.name, self.cfg.source, self._meta)
-
-
-def packaged_names() -> list[str]:
-    return sorted(MODELS)

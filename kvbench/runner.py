@@ -1,123 +1,137 @@
-"""One cell of the benchmark as a plain function: trace -> compressor -> bitstreams -> measurements."""
+"""One cell of the benchmark as a plain function: items -> encoder -> bytes -> fresh decoder -> measurements.
+
+Dataset windows (:func:`trace_source`) and multi-session workloads (:func:`kvbench.sessions.workload_source`) are
+two sources of the same items; a :class:`~kvbench.compressor.SetCompressor` codes all items of a cell into one
+bitstream, any other compressor codes them one by one. Either way the decoder is a fresh instance that has only
+the config, the codec's state bytes, the stored bitstream and the free context.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from kvbench.atomic import staged_dir
 from kvbench.bitstream import Bitstream
-from kvbench.capture import cache_dtype, git_sha, load_or_capture
-from kvbench.compressor import Compressor
-from kvbench.kv import Context
+from kvbench.capture import cache_dtype, load_or_capture
+from kvbench.codec import Codec, prepare
+from kvbench.compressor import Compressor, SetCompressor
+from kvbench.items import Item, Source
+from kvbench.kv import Context, KVSequence
 from kvbench.metrics.distortion import DistortionAccumulator
 from kvbench.metrics.rate import bound_bits_per_token, rate_summary
 from kvbench.metrics.task import continuation_nll
 from kvbench.models import ModelHandle
-from kvbench.paths import results_root
+from kvbench.results import git_sha
 from kvbench.timing import Stopwatch
 from kvbench.workloads import selected as workload_selected
 
 
-def config_hash(cfg_dict: dict) -> str:
-    """Identity of a cell: its resolved config (without output paths) and the code version."""
-    keyed = {k: v for k, v in cfg_dict.items() if k not in ("paths", "metrics")}
-    keyed["metrics.nll"] = cfg_dict.get("metrics", {}).get("nll")
-    keyed["git_sha"] = git_sha()
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=str).encode()).hexdigest()[:12]
+def trace_source(cfg: Any, handle: ModelHandle) -> Source:
+    """The dataset's evaluation windows (captured once, then reused), each scored on its held-out continuation."""
+    trace = load_or_capture(cfg, handle)
+    if trace.manifest["dtype"] != cfg.dtype:
+        raise ValueError(f"trace {trace.path} holds {trace.manifest['dtype']} KV but dtype={cfg.dtype} was asked for")
+    ev = trace.eval
+    items = [Item(s.kv, s.kv.n_tokens, s.continuation if cfg.metrics.nll else None) for s in ev]
+    lp = torch.cat([s.logprobs for s in ev])
+    fields = {"bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
+              "trace": str(trace.path), "trace_captured": trace.captured}
+    return Source(items, lambda: [s.kv for s in trace.calib], fields)
 
 
-def run_dir_for(cfg_dict: dict, compressor: Compressor) -> Path:
-    return results_root(cfg_dict.get("paths", {}).get("results")) / "runs" / f"{compressor.name}-{config_hash(cfg_dict)}"
+def _part_totals(parts: dict[str, int]) -> dict[str, int]:
+    # a pipeline's sections are "<segment>/<inner section>"; sum them per inner section
+    out: dict[str, int] = {}
+    for name, bits in parts.items():
+        head, sep, rest = name.partition("/")
+        key = f"inner/{rest}" if sep and head.isdigit() else name
+        out[key] = out.get(key, 0) + bits
+    return out
+
+
+def code(codec: Codec, kvs: Sequence[KVSequence], enc_ctxs: Sequence[Context], dec_ctxs: Sequence[Context],
+         enc: Stopwatch, dec: Stopwatch) -> tuple[list[KVSequence], list[int], list[dict[str, int]]]:
+    """Encode, keep only the bytes, decode them on the codec's fresh decoder; the bits are counted from the
+    stored bytes. A set compressor codes every sequence into one stream."""
+    if isinstance(codec.encoder, SetCompressor):
+        with enc():
+            bs = codec.encoder.encode_set(kvs, enc_ctxs)
+        stored = Bitstream.from_bytes(bs.data)
+        with dec():
+            outs = codec.decoder.decode_set(stored, dec_ctxs)
+        return list(outs), [stored.num_bits], [_part_totals(stored.parts)]
+    outs, bits, parts = [], [], []
+    for kv, ce, cd in tqdm(list(zip(kvs, enc_ctxs, dec_ctxs)), desc=f"{codec.encoder.name}: code", unit="seq",
+                           leave=False, disable=None):  # disable=None: a bar on a terminal, silent in sweep logs
+        with enc():
+            bs = codec.encoder.encode(kv, ce)
+        stored = Bitstream.from_bytes(bs.data)
+        with dec():
+            outs.append(codec.decoder.decode(stored, cd))
+        bits.append(stored.num_bits)
+        parts.append(stored.parts)
+    return outs, bits, parts
 
 
 def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None) -> tuple[dict, list[dict]]:
     """Run one cell and return ``(summary, rows)``. ``cfg`` is the resolved run config (DictConfig or alike)."""
     handle = handle or ModelHandle(cfg.model, cfg.device)
-    if workload_selected(cfg.get("workload")):  # many sessions instead of the dataset's windows
-        from kvbench.workload_runner import measure_workload
+    if workload_selected(cfg.get("workload")):
+        from kvbench.sessions import workload_source
 
-        return measure_workload(cfg, compressor, handle)
-    trace = load_or_capture(cfg, handle)
+        source = workload_source(cfg, handle, compressor)
+    else:
+        source = trace_source(cfg, handle)
     dtype = cache_dtype(cfg.dtype)
-    if trace.manifest["dtype"] != cfg.dtype:
-        raise ValueError(f"trace {trace.path} holds {trace.manifest['dtype']} KV but dtype={cfg.dtype} was asked for")
-    need_model = bool(cfg.metrics.nll) or compressor.needs_model
     model_ref = handle if compressor.needs_model else None
 
-    fit_watch = Stopwatch(cfg.device)
-    with fit_watch():
-        compressor.fit([s.kv for s in trace.calib])
+    codec = prepare(compressor, source.calib, cfg.device)
+    kvs = [it.kv for it in source.items]
+    enc_ctxs = []
+    for it in source.items:
+        ctx = Context.for_kv(it.kv, model_ref)
+        ctx.extras.update(it.extras)
+        enc_ctxs.append(ctx)
     enc, dec = Stopwatch(cfg.device), Stopwatch(cfg.device)
+    outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref) for kv in kvs], enc, dec)
+
     dist = DistortionAccumulator()
-    bits, parts, lossless = [], [], True
-    nll_base, nll_comp, n_tok, n_el = [], [], 0, 0
-    # disable=None: a bar on a terminal, silent in sweep logs
-    for seq in tqdm(trace.eval, desc=f"{compressor.name}: code + score", unit="seq", leave=False, disable=None):
-        kv = seq.kv
-        ctx = Context.for_kv(kv, model_ref)
-        with enc():
-            bs = compressor.encode(kv, ctx)
-        # Decode from the stored bytes alone: nothing but the bitstream and the free context crosses over.
-        stored = Bitstream.from_bytes(bs.data)
-        with dec():
-            kv_hat = compressor.decode(stored, Context.for_kv(kv, model_ref))
+    lossless, n_tok, n_el = True, 0, 0
+    nll_base, nll_comp, n_eval = [], [], 0
+    for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
+                           disable=None):
+        kv = it.kv
         if kv_hat.shape != kv.shape or kv_hat.k.dtype != dtype:
             raise RuntimeError(f"{compressor.name} decoded {tuple(kv_hat.shape)} {kv_hat.k.dtype}; expected {tuple(kv.shape)} {dtype}")
-        bits.append(stored.num_bits)
-        parts.append(stored.parts)
         lossless &= torch.equal(kv_hat.k, kv.k) and torch.equal(kv_hat.v, kv.v)
         dist.add("k", kv.k, kv_hat.k)
         dist.add("v", kv.v, kv_hat.v)
         n_tok += kv.n_tokens
         n_el += kv.n_elements
-        if cfg.metrics.nll:
-            nll_base.append(continuation_nll(handle.model, kv, seq.continuation))
-            nll_comp.append(continuation_nll(handle.model, kv_hat, seq.continuation))
+        if it.continuation is not None:
+            nll_base.append(continuation_nll(handle.model, kv.slice_tokens(0, it.score_from), it.continuation))
+            nll_comp.append(continuation_nll(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
+            n_eval += len(it.continuation) - 1
 
-    lp = torch.cat([s.logprobs for s in trace.eval])
+    baseline_mb = n_el * 2 / 1e6
+    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,
-        "n_sequences": len(trace.eval),
+        "n_sequences": len(kvs),
         "n_tokens": n_tok,
         "n_elements": n_el,
-        **measured_fields(compressor, bits, parts, n_tok, n_el, bool(lossless), enc, dec, fit_watch, dist, nll_base, nll_comp),
-        "bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
-        "eval_tokens": (len(trace.eval[0].continuation) - 1) * len(trace.eval) if nll_base else 0,
-        "dtype": cfg.dtype,
-        "device": cfg.device,
-        "compressor_params": compressor.describe(),
-        "compressor_stats": compressor.stats(),
-        "trace": str(trace.path),
-        "trace_captured": trace.captured,
-        "model_loaded": need_model,
-        "git_sha": git_sha(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    return summary, dist.rows()
-
-
-def measured_fields(compressor: Compressor, bits: list[int], parts: list, n_tok: int, n_el: int, lossless: bool,
-                    enc: Stopwatch, dec: Stopwatch, fit: Stopwatch, dist: DistortionAccumulator,
-                    nll_base: list[float], nll_comp: list[float]) -> dict:
-    """The summary keys every run path measures the same way: rate, exactness, time, distortion, task loss."""
-    baseline_mb = n_el * 2 / 1e6
-    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
-    return {
-        **rate_summary(bits, parts, n_tok, n_el, compressor.side_info_bits()),
-        "lossless": lossless,
+        **rate_summary(bits, parts, n_tok, n_el, codec.codec_bits),
+        "lossless": bool(lossless),
         "encode_s": enc.seconds,
         "decode_s": dec.seconds,
-        "fit_s": fit.seconds,
+        "fit_s": codec.fit_s,
         "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
         "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
         "rel_mse_k": dist.rel_mse("k"),
@@ -129,17 +143,17 @@ def measured_fields(compressor: Compressor, bits: list[int], parts: list, n_tok:
         "nll_base": mean(nll_base),
         "nll_compressed": mean(nll_comp),
         "delta_nll": mean(nll_comp) - mean(nll_base) if nll_base else math.nan,
+        "eval_tokens": n_eval,
+        **source.fields,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "compressor_params": compressor.describe(),
+        "compressor_stats": compressor.stats(),
+        "model_loaded": handle.loaded,
+        "git_sha": git_sha(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def write_run(run_dir: Path, summary: dict, rows: list[dict], cfg_dict: dict) -> None:
-    """Write ``summary.json``, ``rows.parquet`` and ``config.json`` as one atomic directory."""
-    import pandas as pd
-
-    with staged_dir(run_dir) as tmp:
-        pd.DataFrame(rows).assign(compressor=summary["compressor"]).to_parquet(tmp / "rows.parquet", index=False)
-        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary, dist.rows()
 
 
 def format_summary(s: dict) -> str:

@@ -9,7 +9,8 @@ import torch
 from kvbench.capture import capture_window, default_trace_dir, load_or_capture, load_trace
 from kvbench.config import make_compressor
 from kvbench.data import sample_windows
-from kvbench.runner import measure, run_dir_for, write_run
+from kvbench.results import reuse_or_measure
+from kvbench.runner import measure
 
 
 def test_capture_matches_the_models_own_cache(tiny_model):
@@ -78,14 +79,13 @@ def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):
     from omegaconf import OmegaConf
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = run_dir_for(cfg_dict, comp)
-    write_run(run_dir, summary, rows, cfg_dict)
+    run_dir = reuse_or_measure("run", cfg_dict, comp.name, comp.describe(), lambda: (summary, rows), resume=False).path
     loaded = json.loads((run_dir / "summary.json").read_text())
     contract = ["compressor", "model", "dataset", "n_tokens", "n_elements", "total_bits", "bits_per_element",
                 "bits_per_token", "compression_ratio", "bound_bits_per_token", "lossless", "encode_s", "decode_s",
                 "rel_mse_k", "rel_mse_v", "nll_base", "nll_compressed", "delta_nll", "git_sha", "config"]
-    loaded["config"] = json.loads((run_dir / "config.json").read_text())
     assert not [k for k in contract if k not in loaded]
+    assert loaded["config"] == json.loads((run_dir / "config.json").read_text()) and loaded["kind"] == "run"
     df = pd.read_parquet(run_dir / "rows.parquet")
     assert len(df) == 2 * 2 and set(df["kind"]) == {"k", "v"}
 
@@ -102,6 +102,7 @@ class _NoModel:
     """A handle whose model must not be touched: runs on a stored trace without the NLL metric."""
 
     cfg = None
+    loaded = False
 
     @property
     def model(self):

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from kvbench.config import make_compressor
-from kvbench.runner import measure, run_dir_for, write_run
+from kvbench.results import reuse_or_measure
+from kvbench.runner import measure
 
 SMALL = ["workload=shared_system", "workload.n_sessions=4", "workload.system_tokens=80", "workload.user_tokens=30"]
 CONTRACT = ["compressor", "model", "dataset", "n_tokens", "n_elements", "total_bits", "bits_per_element", "bits_per_token",
@@ -36,11 +37,9 @@ def test_trie_run_writes_the_summary_with_sharing_statistics(tiny_cfg, tiny_hand
     assert summary["bound_dedup_bits_per_token"] < summary["bound_bits_per_token"]
     assert summary["sessions_captured"] == 4 and len(rows) == 2 * 2
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = run_dir_for(cfg_dict, comp)
-    write_run(run_dir, summary, rows, cfg_dict)
-    loaded = json.loads((run_dir / "summary.json").read_text())
-    loaded["config"] = json.loads((run_dir / "config.json").read_text())
-    assert not [k for k in CONTRACT if k not in loaded]
+    out = reuse_or_measure("run", cfg_dict, comp.name, comp.describe(), lambda: (summary, rows), resume=False)
+    loaded = json.loads((out.path / "summary.json").read_text())
+    assert not [k for k in CONTRACT if k not in loaded] and loaded["config"]["workload"]["n_sessions"] == 4
     again, _ = measure(cfg, make_compressor(cfg.compressor), tiny_handle)
     assert again["sessions_captured"] == 0 and again["total_bits"] == summary["total_bits"]
 
@@ -79,7 +78,7 @@ def test_shared_prefix_kv_reports_where_two_prefills_differ():
     import torch
 
     from kvbench.kv import KVSequence
-    from kvbench.workload_runner import CapturedSession, shared_prefix_kv
+    from kvbench.sessions import CapturedSession, shared_prefix_kv
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 1, 40, 8, generator=g).half(), torch.randn(2, 1, 40, 8, generator=g).half()

@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.calibrate import fit_compressor
-from kvbench.capture import cache_dtype, git_sha
+from kvbench.capture import cache_dtype, calib_windows
+from kvbench.codec import prepare
 from kvbench.compressor import Compressor
 from kvbench.evaluation.lm import CompressedKVLM
 from kvbench.evaluation.stats import paired_binary
 from kvbench.evaluation.tasks import task_specs
 from kvbench.models import ModelHandle
+from kvbench.results import git_sha
 
 # the per-example metric each task is judged by, and the lm-eval filter it comes out of
 PRIMARY = {"generate_until": ("exact_match", "first_number"), "multiple_choice": ("acc", "none"), "loglikelihood": ("acc", "none")}
@@ -39,7 +40,7 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
     _quiet_lm_eval()
     handle = handle or ModelHandle(cfg.model, cfg.device)
     torch.manual_seed(int(cfg.seed))
-    fit_s = fit_compressor(cfg, compressor, handle)
+    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device).fit_s
     specs = specs if specs is not None else task_specs(list(cfg.tasks), cfg, handle.tokenizer)
     lm = CompressedKVLM(handle, compressor, residual=cfg.cache.residual, chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode),
                         dtype=cache_dtype(cfg.dtype), progress=progress)

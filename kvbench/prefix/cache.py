@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbench.compressor import check_choice, check_range
+from kvbench.checks import check_choice, check_range
 from kvbench.prefix.radix import ROOT, RadixTrie
 
 POLICIES = ("lru", "plt")

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbench.compressor import check_range
+from kvbench.checks import check_range
 from kvbench.prefix.radix import RadixTrie
 
 

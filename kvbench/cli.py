@@ -6,14 +6,13 @@ through :func:`cell`, which reuses a finished run of the same config or measures
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from kvbench.assets import AssetError
-from kvbench.config import CONFIG_DIR, make_compressor
+from kvbench.config import CONFIG_DIR
 
 USER_ERRORS = (ValueError, AssetError, FileNotFoundError)
 
@@ -36,16 +35,14 @@ def _sweep_cell() -> bool:
     return True
 
 
-def cell(kind: str, cfg: DictConfig, measure: Callable, fmt: Callable[[dict], str]) -> None:
+def cell(kind: str, cfg: DictConfig) -> None:
     """Reuse the newest finished run of this config (``metrics.resume``) or measure one and write it."""
-    from kvbench.results import kind_of, reuse_or_measure
+    from kvbench.cells import formatter, run_cell
+    from kvbench.results import kind_of
 
     in_sweep = _sweep_cell()
     try:
-        compressor = make_compressor(cfg.get("compressor"))
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        out = reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(),
-                               lambda: measure(cfg, compressor), cfg.metrics.resume)
+        out = run_cell(kind, cfg)
     except USER_ERRORS as e:
         if in_sweep:
             print(f"error: {e}", file=sys.stderr)
@@ -54,29 +51,23 @@ def cell(kind: str, cfg: DictConfig, measure: Callable, fmt: Callable[[dict], st
     if out.reused:
         print(f"reusing finished run {out.path} (same config, code {out.summary.get('git_sha', '?')[:12]}; "
               "metrics.resume=code reuses only runs of this code version, metrics.resume=false recomputes)")
-    print(fmt(out.summary))
+    print(formatter(kind)(out.summary))
     print(f"  -> {out.path / kind_of(kind).summary}")
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
 def _run(cfg: DictConfig) -> None:
-    from kvbench.runner import format_summary, measure
-
-    cell("run", cfg, measure, format_summary)
+    cell("run", cfg)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="eval", version_base="1.3")
 def _eval(cfg: DictConfig) -> None:
-    from kvbench.evaluation.runner import evaluate, format_eval
-
-    cell("eval", cfg, evaluate, format_eval)
+    cell("eval", cfg)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="latency", version_base="1.3")
 def _latency(cfg: DictConfig) -> None:
-    from kvbench.latency import format_latency, measure_latency
-
-    cell("latency", cfg, measure_latency, format_latency)
+    cell("latency", cfg)
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")

@@ -48,10 +48,10 @@ def make_compressor(node: Any) -> Compressor:
     return instantiate_plugin(node, Compressor, "compressor", "compressor")
 
 
-def compose(overrides: list[str] | None = None) -> Any:
-    """The run config as ``python -m kvbench run OVERRIDES`` would see it (for tests and scripts)."""
+def compose(overrides: list[str] | None = None, config_name: str = "run") -> Any:
+    """The config as ``python -m kvbench run OVERRIDES`` (or ``eval``/``latency`` by ``config_name``) would see it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
-        return hydra_compose(config_name="run", overrides=list(overrides or []))
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -132,12 +132,12 @@ def _check_report(out: Path, n_rows: int, stdout: str) -> None:
 
 
 def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
-    """SIGKILL inside write_run: the final run dir never appears, the report lists the leftovers and goes on."""
+    """SIGKILL inside results.write: the final run dir never appears, the report lists the leftovers and goes on."""
     runs = tmp_path / "runs"
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from kvbench.runner import write_run
+        from kvbench.results import write
 
         class Stall:  # serialised last: the kill lands while the staged directory is half written
             def __str__(self):
@@ -145,7 +145,7 @@ def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
                 time.sleep(60)
 
         summary = {{"compressor": "kivi", "bits_per_element": 4.0, "stall": Stall()}}
-        write_run(Path({str(runs / "kivi-abc")!r}), summary, [{{"layer": 0, "kind": "k"}}], {{}})
+        write(Path({str(runs / "kivi-abc")!r}), "run", summary, [{{"layer": 0, "kind": "k"}}], {{}})
     """)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "writing"

@@ -1,0 +1,50 @@
+"""One cell of any measuring command, from config overrides or a composed config: reuse the newest finished run
+of it or measure and write one. The CLI, sweeps and study scripts all go through :func:`run_cell`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kvbench.config import compose, make_compressor
+from kvbench.results import Outcome, reuse_or_measure
+
+#: kind -> (config name, measuring function, terminal formatter)
+COMMANDS = {
+    "run": ("run", "kvbench.runner:measure", "kvbench.runner:format_summary"),
+    "eval": ("eval", "kvbench.evaluation.runner:evaluate", "kvbench.evaluation.runner:format_eval"),
+    "latency": ("latency", "kvbench.latency:measure_latency", "kvbench.latency:format_latency"),
+}
+
+
+def _function(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _command(kind: str) -> tuple[str, str, str]:
+    if kind not in COMMANDS:
+        raise ValueError(f"unknown command {kind!r}; one of {sorted(COMMANDS)}")
+    return COMMANDS[kind]
+
+
+def compose_cell(kind: str, overrides: list[str]) -> Any:
+    """The config ``python -m kvbench KIND OVERRIDES`` would run."""
+    return compose(list(overrides), config_name=_command(kind)[0])
+
+
+def formatter(kind: str):
+    return _function(_command(kind)[2])
+
+
+def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, **measure_kw: Any) -> Outcome:
+    """Reuse the newest finished run of ``cfg`` (``resume``: default ``cfg.metrics.resume``; see
+    :func:`kvbench.results.resume_mode`) or measure it with ``kind``'s function and write it."""
+    compressor = make_compressor(cfg.get("compressor"))
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    measure = _function(_command(kind)[1])
+    resume = cfg.metrics.resume if resume is None else resume
+    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(),
+                            lambda: measure(cfg, compressor, handle, **measure_kw), resume)

@@ -139,6 +139,9 @@ def _parse(data: bytes) -> tuple[bytes, str, list[tuple[str, int, int, int]]]:
     entries = [(r.string(), r.varint(), r.varint()) for _ in range(r.varint())]
     layout, pos = [], r.pos
     for name, nbits, nbytes in entries:
+        # every declared bit must lie in the section's bytes, and at most the last byte may be padding
+        if not (8 * nbytes - 7 <= nbits <= 8 * nbytes or nbits == 0 == nbytes):
+            raise BitstreamError(f"section {name!r} declares {nbits} bits in {nbytes} bytes")
         layout.append((name, nbits, pos, nbytes))
         pos += nbytes
     if pos != len(body):

@@ -58,3 +58,15 @@ def test_pack_codes_roundtrip_and_size(bits, n, seed):
 def test_tensor_bytes_roundtrip_is_exact(dtype):
     t = (torch.randn(3, 5, 7) * 100).to(dtype)
     assert torch.equal(tensor_from_bytes(tensor_to_bytes(t), dtype, (3, 5, 7)), t)
+
+
+def test_a_declared_bit_count_that_its_bytes_cannot_hold_is_refused():
+    import zlib
+
+    from kvbench.bitstream import FORMAT_VERSION, MAGIC, _string, _varint
+
+    # a well-formed frame with a valid checksum whose header claims 20 bits for a 1-byte section
+    body = MAGIC + bytes([FORMAT_VERSION]) + _string("demo") + _varint(1) + _string("x") + _varint(20) + _varint(1) + b"\x07"
+    data = body + zlib.crc32(body).to_bytes(4, "big")
+    with pytest.raises(BitstreamError, match="declares 20 bits in 1 bytes"):
+        Bitstream.from_bytes(data)

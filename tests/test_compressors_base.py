@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.codec import decoder_for, state_bytes
+from kvbench.compressor import rebuild
 from kvbench.config import available, compose, make_compressor
 from kvbench.kv import Context
+from kvbench.paths import repo_root
 
 ALL = available("compressor")
 
@@ -38,14 +41,47 @@ def test_roundtrip_shapes_accounting_and_checksum(name, random_kv):
     bs = comp.encode(kv, ctx)
     assert sum(bs.parts.values()) == bs.num_bits
     assert len(bs.data) * 8 >= bs.num_bits
-    out = comp.decode(Bitstream.from_bytes(bs.data), ctx)
+    # the decoder is another instance: the config, the fitted state as bytes and the stored stream, nothing more
+    dec = decoder_for(comp, state_bytes(comp))
+    assert dec is not comp
+    out = dec.decode(Bitstream.from_bytes(bs.data), ctx)
     assert out.shape == kv.shape and out.k.dtype == kv.k.dtype
     if comp.lossless:
         assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
+    again = comp.decode(Bitstream.from_bytes(bs.data), ctx)
+    assert torch.equal(again.k, out.k) and torch.equal(again.v, out.v)
     bad = bytearray(bs.data)
     bad[len(bad) // 2] ^= 0x01
     with pytest.raises(BitstreamError):
-        comp.decode(Bitstream(bytes(bad), bs.num_bits, bs.parts), ctx)
+        dec.decode(Bitstream(bytes(bad), bs.num_bits, bs.parts), ctx)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rebuild_gives_an_unfitted_instance_of_the_same_config(name):
+    comp = _instantiate(name)
+    fresh = rebuild(comp)
+    assert type(fresh) is type(comp) and fresh.describe() == comp.describe() and fresh is not comp
+    assert fresh.state() == {} and state_bytes(fresh) == b""
+
+
+def test_state_sections_are_refused_by_a_compressor_without_state():
+    with pytest.raises(ValueError, match="no fitted state"):
+        _instantiate("identity").load_state({"weights": b"\x00"})
+
+
+def test_readme_example_is_the_shipped_fp8_module():
+    # the README's "adding a compressor" example is compressors/fp8.py verbatim, so the contract suite above
+    # (which covers every configs/compressor/*.yaml) runs the code a reader copies
+    readme = (repo_root() / "README.md").read_text()
+    module = (repo_root() / "compressors" / "fp8.py").read_text()
+    yaml = (repo_root() / "configs" / "compressor" / "fp8.yaml").read_text()
+    assert f"```python\n{module}```" in readme and f"```yaml\n{yaml}```" in readme
+
+
+def test_fp8_stores_eight_bits_per_element(random_kv):
+    kv = random_kv(T=64, D=64)
+    bs = _instantiate("fp8").encode(kv, Context.for_kv(kv))
+    assert bs.parts["k"] == bs.parts["v"] == 8 * kv.k.numel()
 
 
 def test_missing_compressor_lists_the_available_names():

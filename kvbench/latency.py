@@ -5,8 +5,8 @@ For each context length: prefill (the compressed cache codes its prefix at the e
 apart as compression), then greedy decoding of ``decode_tokens`` tokens in a hand-written loop, one forward pass
 per token (each pass of the compressed cache decodes its segments from bytes and codes a chunk when the window
 fills). Reported: prefill and compression seconds, per-token latency (median and p95), tokens/s, bytes the cache
-holds afterwards, and peak resident memory during the run (Linux ``VmHWM`` reset per run via ``clear_refs``, or
-CUDA's peak allocation on a GPU).
+holds afterwards, and peak resident memory during the run (:class:`~kvbench.timing.PeakRSS` on the CPU, CUDA's
+peak allocation on a GPU).
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-import re
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +28,7 @@ from kvbench.compressor import Compressor
 from kvbench.data import load_documents, sample_windows
 from kvbench.models import ModelHandle
 from kvbench.results import git_sha
+from kvbench.timing import PeakRSS
 
 
 class Memory:
@@ -37,13 +36,7 @@ class Memory:
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
-        self._status = Path("/proc/self/status")
-
-    def _read(self, field: str) -> int:
-        if not self._status.exists():
-            return 0
-        m = re.search(rf"{field}:\s+(\d+) kB", self._status.read_text())
-        return int(m.group(1)) * 1024 if m else 0
+        self._rss = PeakRSS()
 
     def start(self) -> None:
         gc.collect()
@@ -52,16 +45,21 @@ class Memory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            try:  # "5" resets the peak RSS (VmHWM) of this process to its current RSS
-                Path("/proc/self/clear_refs").write_text("5")
-            except OSError:
-                pass
-            self.base = self._read("VmRSS")
+            self._rss.start()
+            self.base = self._rss.base
 
     def peak(self) -> tuple[int, int]:
-        """``(peak bytes, peak bytes above the start)`` since :meth:`start`."""
-        peak = torch.cuda.max_memory_allocated() if self.cuda else self._read("VmHWM")
+        """``(peak bytes, peak bytes above the start)`` since :meth:`start`; ends the measurement."""
+        peak = torch.cuda.max_memory_allocated() if self.cuda else self._rss.stop()
         return peak, max(peak - self.base, 0)
+
+    def __enter__(self) -> Memory:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.cuda:
+            self._rss.stop()  # a run that raised must not leave the sampling thread behind
 
 
 def _sync(device: str) -> None:
@@ -76,25 +74,24 @@ def dynamic_nbytes(cache: Any) -> int:
 @torch.no_grad()
 def run_once(model: Any, ids: torch.Tensor, cache: Any, n_decode: int, device: str) -> dict[str, Any]:
     """Prefill ``ids`` (1, T) into ``cache``, then decode ``n_decode`` tokens greedily; times and memory."""
-    mem = Memory(device)
-    mem.start()
-    compressed = isinstance(cache, CompressedCache)
-    _sync(device)
-    t0 = time.perf_counter()
-    out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-    _sync(device)
-    prefill_wall = time.perf_counter() - t0
-    after_prefill = cache.stats() if compressed else {"encode_s": 0.0, "decode_s": 0.0}
-    tokens, lat = [int(nxt)], []
-    for _ in range(n_decode):
-        t = time.perf_counter()
-        out = model(nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    with Memory(device) as mem:
+        compressed = isinstance(cache, CompressedCache)
         _sync(device)
-        lat.append(time.perf_counter() - t)
-        tokens.append(int(nxt))
-    peak, peak_delta = mem.peak()
+        t0 = time.perf_counter()
+        out = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        _sync(device)
+        prefill_wall = time.perf_counter() - t0
+        after_prefill = cache.stats() if compressed else {"encode_s": 0.0, "decode_s": 0.0}
+        tokens, lat = [int(nxt)], []
+        for _ in range(n_decode):
+            t = time.perf_counter()
+            out = model(nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+            lat.append(time.perf_counter() - t)
+            tokens.append(int(nxt))
+        peak, peak_delta = mem.peak()
     lat_a = np.array(lat)
     end = cache.stats() if compressed else {"encode_s": 0.0, "decode_s": 0.0}
     row = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from compressors.kivi import KIVI
 from kvbench.config import CONFIG_DIR
 from kvbench.latency import Memory, format_latency, latency_ratios, measure_latency
 from kvbench.models import ModelHandle
+from kvbench.timing import PeakRSS
 
 
 @pytest.fixture()
@@ -70,17 +72,44 @@ def test_ratios_are_compressed_over_dynamic():
     assert r["prefill_plus_compress"] == 1.5
 
 
-def test_memory_peak_sees_an_allocation():
+MB = 1024 * 1024
+
+
+@pytest.mark.parametrize("kernel_mark", [True, False], ids=["vmhwm", "no-vmhwm"])
+def test_memory_peak_sees_an_allocation(kernel_mark, monkeypatch):
+    if not kernel_mark:  # a sandbox whose /proc/self/status has no usable high-water mark
+        monkeypatch.setattr("kvbench.timing._status_bytes", lambda field: 0)
     mem = Memory("cpu")
     mem.start()
-    # 256 MB: far above glibc's largest mmap threshold, so it cannot be served from freed pages still resident in
-    # the heap after earlier tests (a 64 MB block sometimes was)
-    x = torch.ones(256 * 1024 * 1024 // 4)
-    rss = mem._read("VmRSS")
+    x = torch.ones(256 * MB // 4)  # touched, so resident
     peak, delta = mem.peak()
     del x
-    assert peak >= rss > 0
-    assert delta >= 128 * 1024 * 1024
+    # the closing sample sees whatever is still alive, so neither a refused VmHWM reset nor the sampling interval
+    # can hide it
+    assert delta >= 200 * MB
+    assert peak >= 256 * MB  # the whole resident set, x included
+
+
+def test_memory_peak_sees_an_allocation_freed_inside_the_block():
+    rss = PeakRSS()
+    rss.start()
+    x = torch.ones(256 * MB // 4)
+    # samples counts readings already folded into the peak; the second one after this point began after x existed
+    seen = rss.samples
+    deadline = time.monotonic() + 60
+    while rss.samples < seen + 2:
+        if time.monotonic() > deadline:
+            pytest.fail("the sampling thread took no sample in a minute")
+        time.sleep(0.001)
+    del x
+    peak = rss.stop()
+    assert peak - rss.base >= 200 * MB
+
+
+def test_memory_stops_its_sampler_when_the_run_raises():
+    with pytest.raises(RuntimeError), Memory("cpu") as mem:
+        raise RuntimeError
+    assert mem._rss._thread is None
 
 
 def test_bad_contexts_are_refused(latency_cfg, own_handle):

@@ -1,10 +1,17 @@
-"""Predictors for :mod:`compressors.delta`: what the decoder can guess of each KV vector before reading it.
+"""Predictors for :mod:`compressors.delta` and :mod:`compressors.speculative`: what the decoder can guess of each KV
+vector before reading it.
 
-A predictor walks the cache of one kind (K or V), ``(L, H, T, D)``, in *units*: groups of elements the decoder
-reconstructs together, each predicted only from units already reconstructed. ``groups`` lays any ``(L, H, T, D)``
-tensor out as those units, ``predict`` gives one unit's prediction from the reconstruction so far, and
-``predict_all`` gives every unit's prediction from a complete cache at once (valid when the reconstruction is
-exact, i.e. lossless coding, where closed loop and open loop coincide).
+Two layers. A :class:`Predictor` walks the cache of one kind (K or V), ``(L, H, T, D)``, in *units*: groups of
+elements the decoder reconstructs together, each predicted only from units already reconstructed. ``groups`` lays
+any ``(L, H, T, D)`` tensor out as those units, ``predict`` gives one unit's prediction from the reconstruction so
+far, and ``predict_all`` gives every unit's prediction from a complete cache at once (valid when the reconstruction
+is exact, i.e. lossless coding, where closed loop and open loop coincide).
+
+A :class:`DeltaPredictor` is a predictor as ``delta`` chooses it by name (``previous``, ``linear``,
+``cross_layer``; :func:`make_predictor`): it fits itself on calibration caches, hands its fitted state out as bytes
+(what the decoder is charged for), loads those bytes back on a decoder that never saw the calibration, and gives the
+:class:`Predictor` for a cache shape. The bytes carry no shape (the decoder's context has it), so loaded state is
+parsed, and its length checked, against the first cache shape it is used with.
 
 Fitted predictors (``linear``, ``cross_layer``) hold integer weights with a power-of-two scale per output and
 evaluate on inputs in fixed point (``x * 2**24``, exact for float16), so every prediction is an exact integer
@@ -16,11 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from kvbench.packing import pack_codes, tensor_to_bytes
+from kvbench.bitstream import BitstreamError
+from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 
 #: inputs in fixed point with this many fraction bits (float16's smallest subnormal is 2**-24)
 FRACTION_BITS = 24
@@ -62,6 +71,28 @@ class QuantizedWeights:
         shifts = tensor_to_bytes(self.shift.to(torch.int8))
         return raw + shifts, nbits + 8 * len(shifts)
 
+    @classmethod
+    def from_bytes(cls, raw: bytes, shape: tuple[int, ...], bits: int, what: str) -> QuantizedWeights:
+        """Inverse of :meth:`to_bytes` for weights of ``shape`` ``(..., n_in + 1, n_out)``; a
+        :class:`~kvbench.bitstream.BitstreamError` naming ``what`` when ``raw`` is not exactly such weights."""
+        shift_shape = (*shape[:-2], shape[-1])
+        n_w, n_s = math.prod(shape), math.prod(shift_shape)
+        n_wbytes = -(-n_w * bits // 8) if bits <= 8 else 2 * n_w
+        if len(raw) != n_wbytes + n_s:
+            raise BitstreamError(f"{what} holds {len(raw)} bytes, not the {n_wbytes + n_s} that {bits}-bit weights "
+                                 f"of shape {tuple(shape)} and their int8 shifts take")
+        if bits <= 8:
+            w = unpack_codes(raw[:n_wbytes], bits, n_w).to(torch.int64) - 2 ** (bits - 1)  # (n_w,)
+        else:
+            w = tensor_from_bytes(raw[:n_wbytes], torch.int16, (n_w,)).to(torch.int64)  # (n_w,)
+        shift = tensor_from_bytes(raw[n_wbytes:], torch.int8, (n_s,)).to(torch.int64)  # (n_s,)
+        top = 2 ** (bits - 1) - 1
+        if bool((w.abs() > top).any()):
+            raise BitstreamError(f"{what} is malformed: a weight lies outside the {bits}-bit range [-{top}, {top}]")
+        if bool(((shift < -64) | (shift > 63)).any()):
+            raise BitstreamError(f"{what} is malformed: a shift lies outside [-64, 63]")
+        return cls(w.reshape(shape), shift.reshape(shift_shape), bits)
+
     def magnitude_bits(self) -> int:
         """Input magnitude that keeps every integer sum below 2**62."""
         n_in = self.w.shape[-2]
@@ -99,6 +130,10 @@ def _solve(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 class Predictor:
     """Base: units, one prediction per unit, and the batched open-loop predictions."""
 
+    #: True when every prediction is a copy of the same element at an earlier token (or 0): predictions of a
+    #: reconstruction on a grid ``step * Z`` then stay on it, so the quantized closed loop is plain rounding
+    copies_previous_token: bool = False
+
     def groups(self, t: torch.Tensor) -> list[torch.Tensor]:
         """``t`` ``(L, H, T, D)`` laid out as unit groups, each ``(C, N)``: C units of N elements, in order."""
         raise NotImplementedError
@@ -128,6 +163,7 @@ class Temporal(Predictor):
     def __init__(self, weights: QuantizedWeights | None = None) -> None:
         self.weights = weights
         self.order = 1 if weights is None else weights.w.shape[-2] - 1
+        self.copies_previous_token = weights is None
 
     def groups(self, t):
         L, H, T, D = t.shape
@@ -167,29 +203,6 @@ class Temporal(Predictor):
         g = torch.full(shape, -1, dtype=torch.int64)
         g[:, :, 0] = torch.arange(L).view(L, 1, 1)  # token 0: one scale per layer
         return g
-
-    @staticmethod
-    def fit(calib: Sequence[torch.Tensor], order: int, bits: int) -> QuantizedWeights:
-        """Least squares per (layer, head, channel) of x_t on x_{t-1..t-p} and 1 over the calibration caches.
-
-        Weights are stored as ``(L, H, D, p+1, 1)``: one column per channel.
-        """
-        G = R = None
-        for x in calib:
-            xd = x.double()  # (L, H, T, D)
-            T = xd.shape[2]
-            if T <= order:
-                continue
-            feats = [xd[:, :, order - 1 - j : T - 1 - j] for j in range(order)] + [torch.ones_like(xd[:, :, order:])]
-            Z = torch.stack(feats, dim=-1)  # (L, H, T-p, D, p+1)
-            y = xd[:, :, order:]  # (L, H, T-p, D)
-            g = torch.einsum("lhtdi,lhtdj->lhdij", Z, Z)
-            r = torch.einsum("lhtdi,lhtd->lhdi", Z, y)
-            G, R = (g, r) if G is None else (G + g, R + r)
-        if G is None:
-            raise ValueError(f"delta: calibration sequences are too short for order={order}")
-        W = _solve(G, R.unsqueeze(-1))  # (L, H, D, p+1, 1)
-        return QuantizedWeights.from_real(W, bits)
 
 
 class CrossLayer(Predictor):
@@ -233,17 +246,6 @@ class CrossLayer(Predictor):
         g[0, :, 0] = 0
         return g
 
-    @staticmethod
-    def fit(calib: Sequence[torch.Tensor], bits: int) -> QuantizedWeights:
-        G = R = None
-        for x in calib:
-            L, H, T, D = x.shape
-            flat = x.double().permute(0, 2, 1, 3).reshape(L, T, H * D)  # (L, T, H*D)
-            Z = torch.cat([flat[:-1], torch.ones(L - 1, T, 1, dtype=torch.float64)], dim=-1)  # (L-1, T, H*D+1)
-            g, r = Z.transpose(1, 2) @ Z, Z.transpose(1, 2) @ flat[1:]
-            G, R = (g, r) if G is None else (G + g, R + r)
-        return QuantizedWeights.from_real(_solve(G, R), bits)
-
 
 class FromModel(Predictor):
     """A fixed prediction of the whole cache (a cheaper model's recomputed KV); nothing depends on the reconstruction."""
@@ -262,3 +264,180 @@ class FromModel(Predictor):
 
     def warm_group(self, shape):
         return torch.full(shape, -1, dtype=torch.int64)
+
+
+# ---- predictors as delta chooses them: fit, state as bytes, load, predict -------------------------------------------
+
+
+class DeltaPredictor:
+    """One kind's (K or V) predictor as :class:`~compressors.delta.Delta` uses it: fitted on calibration caches,
+    its fitted state as bytes, that state loaded back, and the :class:`Predictor` for a cache shape.
+
+    ``kind`` names the kind in errors and in the state section (``k.weights``, ``v.weights``).
+    """
+
+    name: ClassVar[str] = ""
+    #: True when :meth:`fit` learns state the decoder needs (one state section per kind)
+    fitted: ClassVar[bool] = False
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    @property
+    def section(self) -> str:
+        return f"{self.kind}.weights"
+
+    def fit(self, calib: Sequence[torch.Tensor]) -> None:
+        """Learn from calibration caches of this kind, each ``(L, H, T, D)``; nothing to learn by default."""
+
+    def state(self) -> tuple[bytes, int] | bytes:
+        """The fitted state, every bit the decoder needs: ``(bytes, exact_bits)`` or ``bytes``."""
+        raise ValueError(f"delta.predictor={self.name} has no fitted state")
+
+    def load_state(self, raw: bytes) -> None:
+        """Restore what :meth:`state` wrote (on an instance that was never fitted)."""
+        raise BitstreamError(f"delta.predictor={self.name} has no fitted state, but a section {self.section} was given")
+
+    def for_shape(self, shape: tuple[int, int, int, int]) -> Predictor:
+        """The predictor for a cache of ``shape`` ``(L, H, T, D)``."""
+        raise NotImplementedError
+
+
+class PreviousPredictor(DeltaPredictor):
+    """``previous``: the same layer/head/channel at the previous token (CacheGen-style delta, arXiv 2310.07240)."""
+
+    name = "previous"
+
+    def for_shape(self, shape):
+        return Temporal()
+
+
+class _WeightedPredictor(DeltaPredictor):
+    """A predictor with integer weights fitted by least squares: ``weight_bits`` each plus an int8 shift per output,
+    the state charged to the decoder."""
+
+    fitted = True
+
+    def __init__(self, kind: str, weight_bits: int) -> None:
+        super().__init__(kind)
+        self.weight_bits = weight_bits
+        self.weights: QuantizedWeights | None = None
+        self._raw: bytes | None = None  # loaded state, parsed on first use (the bytes carry no shape)
+
+    def _fit(self, calib: Sequence[torch.Tensor]) -> QuantizedWeights:
+        raise NotImplementedError
+
+    def _weight_shape(self, shape: tuple[int, int, int, int]) -> tuple[int, ...]:
+        """Shape of the weights ``(..., n_in + 1, n_out)`` for a cache of ``shape``."""
+        raise NotImplementedError
+
+    def _predictor(self, weights: QuantizedWeights) -> Predictor:
+        raise NotImplementedError
+
+    def fit(self, calib):
+        if not calib:
+            raise ValueError(f"delta.predictor={self.name} is fitted on calibration sequences; none were given")
+        self.weights, self._raw = self._fit(calib), None
+
+    def state(self):
+        if self.weights is not None:
+            return self.weights.to_bytes()
+        if self._raw is not None:  # loaded and not used yet: the bytes as they came
+            return self._raw
+        raise ValueError(f"delta.predictor={self.name} is not fitted: call fit(calibration) first")
+
+    def load_state(self, raw):
+        if not raw:
+            raise BitstreamError(f"delta: state section {self.section} is empty")
+        self.weights, self._raw = None, bytes(raw)
+
+    def for_shape(self, shape):
+        want = self._weight_shape(shape)
+        if self.weights is None:
+            if self._raw is None:
+                raise ValueError(f"delta.predictor={self.name} is not fitted: call fit(calibration) first")
+            what = f"delta: state section {self.section} (predictor={self.name} for a cache of shape {tuple(shape)})"
+            self.weights, self._raw = QuantizedWeights.from_bytes(self._raw, want, self.weight_bits, what), None
+        if tuple(self.weights.w.shape) != want:
+            raise ValueError(f"delta: predictor fitted for another cache shape ({tuple(self.weights.w.shape)}) "
+                             f"than {tuple(shape)}")
+        return self._predictor(self.weights)
+
+
+class LinearPredictor(_WeightedPredictor):
+    """``linear``: an order-``order`` autoregression per (layer, head, channel) plus a bias (:class:`Temporal`)."""
+
+    name = "linear"
+
+    def __init__(self, kind: str, weight_bits: int, order: int) -> None:
+        super().__init__(kind, weight_bits)
+        self.order = order
+
+    def _weight_shape(self, shape):
+        L, H, _, D = shape
+        return (L, H, D, self.order + 1, 1)
+
+    def _predictor(self, weights):
+        return Temporal(weights)
+
+    def _fit(self, calib):
+        """Least squares per (layer, head, channel) of x_t on x_{t-1..t-p} and 1 over the calibration caches.
+
+        Weights are stored as ``(L, H, D, p+1, 1)``: one column per channel.
+        """
+        order = self.order
+        G = R = None
+        for x in calib:
+            xd = x.double()  # (L, H, T, D)
+            T = xd.shape[2]
+            if T <= order:
+                continue
+            feats = [xd[:, :, order - 1 - j : T - 1 - j] for j in range(order)] + [torch.ones_like(xd[:, :, order:])]
+            Z = torch.stack(feats, dim=-1)  # (L, H, T-p, D, p+1)
+            y = xd[:, :, order:]  # (L, H, T-p, D)
+            g = torch.einsum("lhtdi,lhtdj->lhdij", Z, Z)
+            r = torch.einsum("lhtdi,lhtd->lhdi", Z, y)
+            G, R = (g, r) if G is None else (G + g, R + r)
+        if G is None:
+            raise ValueError(f"delta: calibration sequences are too short for order={order}")
+        W = _solve(G, R.unsqueeze(-1))  # (L, H, D, p+1, 1)
+        return QuantizedWeights.from_real(W, self.weight_bits)
+
+
+class CrossLayerPredictor(_WeightedPredictor):
+    """``cross_layer``: layer l from layer l-1 at the same token through a linear map per layer
+    (:class:`CrossLayer`); layer 0 falls back to ``previous``."""
+
+    name = "cross_layer"
+
+    def _weight_shape(self, shape):
+        L, H, _, D = shape
+        return (L - 1, H * D + 1, H * D)
+
+    def _predictor(self, weights):
+        return CrossLayer(weights)
+
+    def _fit(self, calib):
+        G = R = None
+        for x in calib:
+            L, H, T, D = x.shape
+            flat = x.double().permute(0, 2, 1, 3).reshape(L, T, H * D)  # (L, T, H*D)
+            Z = torch.cat([flat[:-1], torch.ones(L - 1, T, 1, dtype=torch.float64)], dim=-1)  # (L-1, T, H*D+1)
+            g, r = Z.transpose(1, 2) @ Z, Z.transpose(1, 2) @ flat[1:]
+            G, R = (g, r) if G is None else (G + g, R + r)
+        return QuantizedWeights.from_real(_solve(G, R), self.weight_bits)
+
+
+#: ``delta.predictor`` names
+PREDICTORS = ("previous", "linear", "cross_layer")
+
+
+def make_predictor(name: str, kind: str, *, order: int, weight_bits: int) -> DeltaPredictor:
+    """The unfitted predictor ``name`` (one of :data:`PREDICTORS`) for ``kind`` (``k`` or ``v``)."""
+    if name == "previous":
+        return PreviousPredictor(kind)
+    if name == "linear":
+        return LinearPredictor(kind, weight_bits, order)
+    if name == "cross_layer":
+        return CrossLayerPredictor(kind, weight_bits)
+    raise ValueError(f"delta.predictor={name!r} is not allowed; choose one of {list(PREDICTORS)}")

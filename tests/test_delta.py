@@ -1,15 +1,16 @@
-"""delta: predictive delta coding. Exactness, the closed-loop error bound, side information, fields, the model
-predictor on the tiny model, and the exact float coder underneath."""
+"""delta: predictive delta coding. Exactness, the closed-loop error bound, codec state (its bits, its bytes loaded
+on a fresh decoder, malformed sections), fields, and the exact float coder underneath. The model predictor is
+``speculative`` (tests/test_speculative.py)."""
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from compressors.delta import Delta
-from kvbench.bitstream import Bitstream
+from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.compressor import rebuild
 from kvbench.config import compose, make_compressor
 from kvbench.entropy import StreamDecoder, StreamEncoder
 from kvbench.float_coding import decode_values, encode_values, from_codes, to_codes
@@ -27,6 +28,16 @@ def _roundtrip(comp, kv, ctx=None):
 
 def _same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _state_bits(comp):
+    """Every bit of the codec state's sections (the harness adds its frame)."""
+    return sum(8 * len(b) if isinstance(b, bytes) else b[1] for b in comp.state().values())
+
+
+def _plain(comp):
+    """The state as the decoder receives it: section name -> bytes."""
+    return {name: b if isinstance(b, bytes) else b[0] for name, b in comp.state().items()}
 
 
 def _walk(L=3, H=2, T=160, D=16, dtype=torch.float16, seed=0):
@@ -117,29 +128,31 @@ def test_coarser_steps_cost_fewer_bits_and_more_error():
     assert sizes == sorted(sizes, reverse=True) and errs == sorted(errs)
 
 
-def test_linear_side_info_is_charged_per_weight():
+def test_linear_state_is_charged_per_weight():
     L, H, D = 3, 2, 16
     for order, wb in ((1, 8), (3, 8), (2, 16)):
         comp = Delta(predictor="linear", order=order, weight_bits=wb)
         comp.fit([_walk(seed=4)])
         per_kind = L * H * D * (order + 1) * wb + L * H * D * 8  # weights + an int8 shift per channel
-        assert comp.side_info_bits() == 2 * per_kind
-    assert Delta(predictor="previous").side_info_bits() == 0
+        assert list(comp.state()) == ["k.weights", "v.weights"]
+        assert _state_bits(comp) == 2 * per_kind
+    assert Delta(predictor="previous").state() == {}
 
 
-def test_cross_layer_side_info_is_charged_per_weight():
+def test_cross_layer_state_is_charged_per_weight():
     L, H, D = 3, 2, 16
     comp = Delta(predictor="cross_layer", weight_bits=6)
     comp.fit([_walk(seed=4)])
     n = H * D
-    assert comp.side_info_bits() == 2 * (L - 1) * ((n + 1) * n * 6 + n * 8)
+    assert _state_bits(comp) == 2 * (L - 1) * ((n + 1) * n * 6 + n * 8)
 
 
 def test_bits_chooses_a_step_per_channel_and_charges_it():
     kv = _walk()
     comp = Delta(predictor="previous", bits=4.0)
     comp.fit([_walk(seed=4)])
-    assert comp.side_info_bits() == 2 * 3 * 2 * 16 * 16  # one float16 step per channel, K and V
+    assert list(comp.state()) == ["k.steps", "v.steps"]
+    assert _state_bits(comp) == 2 * 3 * 2 * 16 * 16  # one float16 step per channel, K and V
     steps = comp._steps["k"].double()
     assert steps.std() > 0  # channels differ
     bs, out = _roundtrip(comp, kv)
@@ -149,28 +162,133 @@ def test_bits_chooses_a_step_per_channel_and_charges_it():
     assert 2.5 < bs.num_bits / kv.n_elements < 5.5
 
 
-def test_side_info_reaches_the_summary(tiny_cfg, tiny_handle):
+@pytest.mark.parametrize("kw", [
+    {"predictor": "linear"},
+    {"predictor": "linear", "order": 3, "weight_bits": 12, "step": 0.05},
+    {"predictor": "cross_layer", "weight_bits": 5},
+    {"predictor": "cross_layer", "step": 0.1},
+    {"predictor": "previous", "bits": 3.0},
+    {"predictor": "linear", "bits": 2.0},
+])
+def test_a_decoder_rebuilt_from_the_state_bytes_decodes_the_same(kw):
+    """What the harness does: the decoder is a fresh instance of the config that loaded the state as bytes."""
+    enc = Delta(**kw)
+    enc.fit([_walk(seed=4), _walk(seed=5, T=90)])
+    kv = _walk()
+    ctx = Context.for_kv(kv)
+    bs = enc.encode(kv, ctx)
+    dec = rebuild(enc)
+    dec.load_state(_plain(enc))
+    out = dec.decode(Bitstream.from_bytes(bs.data), ctx)
+    ref = enc.decode(Bitstream.from_bytes(bs.data), ctx)
+    assert _same_bits(out.k, ref.k) and _same_bits(out.v, ref.v)
+    if enc.lossless:
+        assert _same_bits(out.k, kv.k) and _same_bits(out.v, kv.v)
+    # once used, the loaded state is the encoder's, bit for bit
+    assert dec.state() == enc.state()
+    assert enc.encode(kv, ctx).data == dec.encode(kv, ctx).data
+
+
+def test_a_state_framed_by_the_harness_roundtrips():
+    from kvbench.codec import decoder_for, state_bits, state_bytes
+
+    enc = Delta(predictor="cross_layer", bits=3.0)
+    enc.fit([_walk(seed=4)])
+    state = state_bytes(enc)
+    assert state_bits(state) > _state_bits(enc)  # the sections plus their frame
+    kv = _walk()
+    ctx = Context.for_kv(kv)
+    out = decoder_for(enc, state).decode(enc.encode(kv, ctx), ctx)
+    ref = enc.decode(enc.encode(kv, ctx), ctx)
+    assert _same_bits(out.k, ref.k) and _same_bits(out.v, ref.v)
+
+
+def _fitted_state(**kw):
+    enc = Delta(**kw)
+    enc.fit([_walk(seed=4)])
+    return enc, _plain(enc)
+
+
+@pytest.mark.parametrize("kw,section,cut", [
+    ({"predictor": "linear"}, "k.weights", 1),
+    ({"predictor": "linear", "weight_bits": 12}, "v.weights", 2),
+    ({"predictor": "cross_layer"}, "v.weights", 5),
+])
+def test_a_weights_section_of_the_wrong_length_is_refused(kw, section, cut):
+    enc, state = _fitted_state(**kw)
+    kv = _walk()
+    bs = enc.encode(kv, Context.for_kv(kv))
+    for bad in (state[section][:-cut], state[section] + b"\x00" * cut):
+        dec = rebuild(enc)
+        dec.load_state({**state, section: bad})
+        with pytest.raises(BitstreamError, match=rf"state section {section} .*holds {len(bad)} bytes"):
+            dec.decode(bs, Context.for_kv(kv))
+
+
+def test_malformed_state_sections_are_refused():
+    enc, state = _fitted_state(predictor="linear", bits=3.0)
+    kv = _walk()
+    ctx = Context.for_kv(kv)
+    bs = enc.encode(kv, ctx)
+    with pytest.raises(BitstreamError, match=r"missing \['v\.steps'\], unexpected \[\]"):
+        rebuild(enc).load_state({k: v for k, v in state.items() if k != "v.steps"})
+    with pytest.raises(BitstreamError, match=r"unexpected \['tokens'\]"):
+        rebuild(enc).load_state({**state, "tokens": b"\x00"})
+    with pytest.raises(BitstreamError, match="k.steps holds 7 bytes, not a whole number of float16 steps"):
+        rebuild(enc).load_state({**state, "k.steps": state["k.steps"][:7]})
+    with pytest.raises(BitstreamError, match="k.weights is empty"):
+        rebuild(enc).load_state({**state, "k.weights": b""})
+    dec = rebuild(enc)
+    dec.load_state({**state, "k.steps": state["k.steps"][:-2]})
+    with pytest.raises(BitstreamError, match="k.steps holds 190 bytes, not the 192"):
+        dec.decode(bs, ctx)
+    dec = rebuild(enc)
+    dec.load_state({**state, "v.steps": b"\x00\xfc" * (len(state["v.steps"]) // 2)})  # float16 -inf
+    with pytest.raises(BitstreamError, match="v.steps is malformed"):
+        dec.decode(bs, ctx)
+    dec = rebuild(enc)
+    weights = bytearray(state["k.weights"])
+    weights[0] = 0  # 8-bit code 0 is weight -128, outside [-127, 127]
+    dec.load_state({**state, "k.weights": bytes(weights)})
+    with pytest.raises(BitstreamError, match=r"k.weights .*malformed: a weight lies outside"):
+        dec.decode(bs, ctx)
+    with pytest.raises(BitstreamError, match=r"takes the state sections \[\]; missing \[\], unexpected \['k\.weights'\]"):
+        rebuild(Delta()).load_state({"k.weights": b"\x01"})
+
+
+def test_a_state_for_another_shape_is_refused():
+    enc, state = _fitted_state(predictor="linear")
+    dec = rebuild(enc)
+    dec.load_state(state)
+    kv = _walk()
+    dec.decode(enc.encode(kv, Context.for_kv(kv)), Context.for_kv(kv))
+    other = _walk(L=2, H=2, D=24)  # as many channels, another shape
+    with pytest.raises(ValueError, match="another cache shape"):
+        dec.encode(other, Context.for_kv(other))
+
+
+def test_codec_state_reaches_the_summary(tiny_cfg, tiny_handle):
+    from kvbench.codec import state_bits, state_bytes
     from kvbench.runner import measure
 
     cfg = tiny_cfg("+compressor=delta", "compressor.predictor=linear", "metrics.nll=false")
     comp = make_compressor(cfg.compressor)
     s = measure(cfg, comp, tiny_handle)[0]
     assert s["lossless"] is True
-    assert s["side_info_bits"] == comp.side_info_bits() > 0
-    assert s["bits_by_part"]["side_info"] == comp.side_info_bits()
+    assert s["codec_bits"] == state_bits(state_bytes(comp)) > _state_bits(comp) > 0
+    assert s["bits_by_part"]["side_info"] == s["codec_bits"]
     assert s["total_bits"] == sum(s["bits_by_part"].values())
     assert s["compressor_stats"]["ideal_bits.k.residual"] > 0
 
 
 @pytest.mark.parametrize("override,match", [
-    ("predictor=nearest", r"delta\.predictor='nearest' is not allowed; choose one of \['previous', 'linear', 'cross_layer', 'model'\]"),
+    ("predictor=nearest", r"delta\.predictor='nearest' is not allowed; choose one of \['previous', 'linear', 'cross_layer'\]"),
+    ("predictor=model", r"delta\.predictor=model is now its own compressor: use \+compressor=speculative"),
     ("order=0", r"delta\.order=0 is out of range; allowed: 1 <= order <= 16"),
     ("order=1.5", r"delta\.order=1\.5 must be a whole number"),
     ("step=-0.1", r"delta\.step=-0\.1 is out of range; allowed: 0\.0 <= step"),
     ("weight_bits=3", r"delta\.weight_bits=3 is out of range; allowed: 4 <= weight_bits <= 16"),
-    ("predictor_dtype=fp8", r"delta\.predictor_dtype='fp8' is not allowed; choose one of \['bf16', 'int8', 'bf16_compute'\]"),
     ("bits=40", r"delta\.bits=40.* allowed: 0\.25 <= bits <= 12"),
-    ("token_coding=zip", r"delta\.token_coding='zip' is not allowed; choose one of \['model', 'plain'\]"),
 ])
 def test_bad_fields_name_what_is_allowed(override, match):
     cfg = compose(["+compressor=delta", f"compressor.{override}"])
@@ -178,11 +296,16 @@ def test_bad_fields_name_what_is_allowed(override, match):
         make_compressor(cfg.compressor)
 
 
+@pytest.mark.parametrize("field", ["predictor_dtype=int8", "token_coding=plain"])
+def test_the_model_predictor_fields_are_no_longer_delta_fields(field):
+    cfg = compose(["+compressor=delta", f"+compressor.{field}"])
+    with pytest.raises(ValueError, match=r"'delta' has no field.*its fields are \['bits', 'order', 'predictor', 'step', 'weight_bits'\]"):
+        make_compressor(cfg.compressor)
+
+
 def test_conflicting_fields_are_refused():
     with pytest.raises(ValueError, match="step=0.1 or bits=3.0, not both"):
         Delta(step=0.1, bits=3.0)
-    with pytest.raises(ValueError, match="bits is not available with predictor=model"):
-        Delta(predictor="model", bits=3.0)
 
 
 @pytest.mark.parametrize("predictor", ["linear", "cross_layer"])
@@ -198,74 +321,6 @@ def test_predictor_fitted_on_another_shape_is_refused(random_kv):
     kv = random_kv(L=3, H=2, D=16)
     with pytest.raises(ValueError, match="another cache shape"):
         comp.encode(kv, Context.for_kv(kv))
-
-
-@pytest.fixture(scope="module")
-def tiny_trace():
-    from conftest import tiny_llama
-
-    from kvbench.capture import capture_window
-
-    model = tiny_llama()
-    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
-    got = capture_window(model, ids, 40, torch.float16)
-    return model, KVSequence(got["k"], got["v"], ids)
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "bf16_compute"])
-def test_model_predictor_is_exact_and_charges_the_tokens(tiny_trace, dtype):
-    model, kv = tiny_trace
-    comp = Delta(predictor="model", predictor_dtype=dtype)
-    assert comp.needs_model
-    comp.fit([])
-    handle = SimpleNamespace(model=model)
-    bs, out = _roundtrip(comp, kv, Context.for_kv(kv, handle))
-    assert _same_bits(out.k, kv.k) and _same_bits(out.v, kv.v)
-    assert torch.equal(out.tokens, kv.tokens)
-    # the ids cost about the cheap copy's cross-entropy plus the token coder's small header
-    st = comp.stats()
-    assert bs.parts["tokens"] >= st["tokens.ideal_token_bits"]
-    # a good prediction leaves far less than the 16-bit baseline to code
-    assert (bs.parts["k.residual"] + bs.parts["v.residual"]) / kv.n_elements < 10
-
-
-def test_plain_token_coding_stores_fixed_width_ids(tiny_trace):
-    model, kv = tiny_trace
-    comp = Delta(predictor="model", token_coding="plain")
-    bs, out = _roundtrip(comp, kv, Context.for_kv(kv, SimpleNamespace(model=model)))
-    assert _same_bits(out.k, kv.k) and torch.equal(out.tokens, kv.tokens)
-    assert bs.parts["tokens"] == 7 * kv.n_tokens  # vocabulary of 128: 7 bits per id
-
-
-def test_a_decoder_with_another_predictor_fails_loudly(tiny_trace):
-    from kvbench.bitstream import BitstreamError
-
-    model, kv = tiny_trace
-    ctx = Context.for_kv(kv, SimpleNamespace(model=model))
-    bs = Delta(predictor="model", token_coding="plain", predictor_dtype="bf16").encode(kv, ctx)
-    other = Delta(predictor="model", token_coding="plain", predictor_dtype="int8")
-    with pytest.raises(BitstreamError, match="fails its checksum"):
-        other.decode(Bitstream.from_bytes(bs.data), ctx)
-
-
-def test_model_predictor_lossy_is_bounded_and_nearly_free(tiny_trace):
-    model, kv = tiny_trace
-    comp = Delta(predictor="model", step=0.01)
-    handle = SimpleNamespace(model=model)
-    bs, out = _roundtrip(comp, kv, Context.for_kv(kv, handle))
-    err = (out.k.double() - kv.k.double()).abs()
-    assert (err <= 0.005 + _ulp(out.k) / 2 + 1e-12).all()
-    # the bf16-weight copy already predicts within the step almost everywhere
-    assert (bs.parts["k.residual"] + bs.parts["v.residual"]) / kv.n_elements < 0.2
-
-
-def test_model_predictor_needs_tokens_and_model(tiny_trace):
-    model, kv = tiny_trace
-    comp = Delta(predictor="model")
-    with pytest.raises(ValueError, match="needs the model"):
-        comp.encode(kv, Context.for_kv(kv))
-    with pytest.raises(ValueError, match="token ids"):
-        comp.encode(KVSequence(kv.k, kv.v), Context.for_kv(kv, SimpleNamespace(model=model)))
 
 
 # ---- the exact float coder ---------------------------------------------------------------------------------------

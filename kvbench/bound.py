@@ -104,7 +104,8 @@ RUN_COLUMNS = [
 
 def runs_table(dirs: Iterable[str | Path]) -> tuple[str, list[tuple[Path, str]], int]:
     """Markdown table of every run under ``dirs`` (sorted by bits/token), the skipped dirs, the run count."""
-    from kvbench.report import collect, to_markdown
+    from kvbench.report_data import collect
+    from kvbench.report_tables import to_markdown
 
     got = collect(dirs)
     df = got.table

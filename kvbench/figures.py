@@ -16,7 +16,7 @@ import pandas as pd
 from matplotlib import rc_context, ticker
 from matplotlib.figure import Figure
 
-from kvbench.report import series_label
+from kvbench.report_data import series_label
 
 STYLE = {
     "font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,

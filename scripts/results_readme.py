@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report import BEST_COLUMNS, best_at_tolerance, collect, format_ratio, series_label, to_markdown
+from kvbench.report_data import best_at_tolerance, collect, series_label
+from kvbench.report_tables import BEST_COLUMNS, format_ratio, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 # Hand-written findings live between these markers, one block per section; regenerating keeps them.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvbench.config import available, compose, make_compressor
 from kvbench.paths import repo_root
-from kvbench.report import format_ratio
+from kvbench.report_tables import format_ratio
 
 LOCK = "/tmp/kvbench-bench.lock"
 STEPS = (0.1, 0.5)

@@ -7,7 +7,9 @@ import pandas as pd
 import pytest
 
 from kvbench.figures import FIGURES, pareto_front
-from kvbench.report import best_at_tolerance, collect, series_label, to_latex, to_markdown, write_report
+from kvbench.report import write_report
+from kvbench.report_data import best_at_tolerance, collect, series_label
+from kvbench.report_tables import to_latex, to_markdown
 
 
 def _summary(compressor, bits_el, dnll, ratio=None, **extra):
@@ -144,3 +146,30 @@ def test_results_readme_draft_has_every_section_and_keeps_hand_written_findings(
     out.write_text(text)
     again = rr.render(runs, report, out)
     assert "Measured 4x above the bound." in again and again.count(rr.FINDINGS_TODO) == 4
+
+
+def test_report_modules_import_one_way():
+    """Reading runs, writing tables and drawing figures never import the report writer, even inside a function."""
+    import ast
+
+    from kvbench.paths import repo_root
+
+    def imports(module: str) -> set[str]:
+        tree = ast.parse((repo_root() / "kvbench" / f"{module}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    assert not {"kvbench.report", "kvbench.figures", "kvbench.report_tables"} & imports("report_data")
+    assert not {"kvbench.report", "kvbench.figures"} & imports("report_tables")
+    assert not {"kvbench.report", "kvbench.report_tables"} & imports("figures")
+
+
+def test_one_column_list_serves_markdown_and_latex():
+    df = pd.DataFrame([{"model": "m", "x_bound": 1.0749, "delta_nll": 0.01}, {"model": "m", "x_bound": 36360.2}])
+    cols = [("model", "model", "model", "s"), ("x_bound", "x bound", r"$\times$ bound", "x"),
+            ("delta_nll", "dNLL", r"$\Delta$NLL", "+.4f")]
+    assert to_markdown(df, cols).splitlines() == ["| model | x bound | dNLL |", "|---|---:|---:|",
+                                                  "| m | 1.07 | +0.0100 |", "| m | 36,360 | - |"]
+    assert to_latex(df, cols, "two rows").splitlines() == [
+        "% two rows", r"\begin{tabular}{lrr}", r"\toprule", r"model & $\times$ bound & $\Delta$NLL \\", r"\midrule",
+        r"m & 1.07 & +0.0100 \\", r"m & 36,360 & - \\", r"\bottomrule", r"\end{tabular}"]

@@ -155,7 +155,8 @@ def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
     leftovers = [d for d in runs.iterdir() if d.name.startswith(".kivi-abc.")]
     assert len(leftovers) == 1 and not (leftovers[0] / "summary.json").exists()
 
-    from kvbench.report import collect, write_report
+    from kvbench.report import write_report
+    from kvbench.report_data import collect
 
     good = runs / "kivi-good"
     good.mkdir()

@@ -1,0 +1,192 @@
+"""The report's data: every run summary under some dirs read into tables, with the columns tables and figures share.
+
+Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
+``python -m kvbench eval``) and end-to-end latency (``latency.json``, ``python -m kvbench latency``). A bad or
+partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
+skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+# A run dir's summary file names its kind: compression cells (`run`), task accuracy (`eval`), end-to-end latency.
+SUMMARY_FILES = {"summary.json": "run", "eval.json": "eval", "latency.json": "latency"}
+# Files that mark a directory as a run, finished or not.
+RUN_FILES = (*SUMMARY_FILES, "rows.parquet", "eval.parquet", "latency.parquet")
+# Parameters that set a compressor's rate: points along one curve rather than separate curves.
+RATE_KNOBS = ("bits", "step")
+NLL_TOLERANCE = 0.01  # "at <= 1% NLL regression"
+
+
+@dataclass
+class Collection:
+    table: pd.DataFrame  # one row per compression cell (summary.json)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (eval run, task)
+    latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        elif isinstance(v, list | tuple):
+            out[key] = json.dumps(v, default=str)
+        else:
+            out[key] = v
+    return out
+
+
+def _read_summary(path: Path) -> tuple[dict, dict]:
+    """The flattened summary of one run dir, with its config (``cfg.*``) when ``config.json`` is there, and the raw
+    summary (whose per-task and per-context lists become rows of their own tables)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable {path.name} ({type(e).__name__}: {e})") from e
+    if not isinstance(summary, dict) or "compressor" not in summary:
+        raise ValueError("not a kvbench summary (no 'compressor' key)")
+    row = _flatten({k: v for k, v in summary.items() if k not in ("config", "tasks", "rows")})
+    cfg = summary.get("config")
+    cfg_file = path.parent / "config.json"
+    if not isinstance(cfg, dict) and cfg_file.exists():
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            cfg = None
+    if isinstance(cfg, dict):
+        row.update(_flatten(cfg, "cfg."))
+    return row, summary
+
+
+def _explode(row: dict, items: list[dict]) -> list[dict]:
+    return [{**row, **_flatten(item)} for item in items if isinstance(item, dict)]
+
+
+def collect(dirs: Iterable[str | Path]) -> Collection:
+    """Read every run summary under ``dirs``; list the dirs that could not be read instead of failing."""
+    rows, evals, latency, skipped, seen = [], [], [], [], set()
+    for d in map(Path, dirs):
+        if not d.exists():
+            skipped.append((d, "no such directory"))
+            continue
+        if d.is_file():
+            d = d.parent
+        for run_dir in sorted({p.parent for name in RUN_FILES for p in d.rglob(name)}):
+            if run_dir.resolve() in seen:
+                continue
+            seen.add(run_dir.resolve())
+            if any(part.startswith(".") for part in run_dir.relative_to(d).parts):
+                # staged_dir() renames a finished run into place; a hidden one is a killed cell's leftovers
+                skipped.append((run_dir, "staging directory of an unfinished or killed run"))
+                continue
+            found = [name for name in SUMMARY_FILES if (run_dir / name).exists()]
+            if not found:
+                skipped.append((run_dir, "no summary.json, eval.json or latency.json (unfinished or killed run)"))
+                continue
+            for name in found:
+                try:
+                    row, raw = _read_summary(run_dir / name)
+                except ValueError as e:
+                    skipped.append((run_dir, str(e)))
+                    continue
+                row.update(run_dir=str(run_dir), run_id=run_dir.name, kind=SUMMARY_FILES[name])
+                if name == "eval.json":
+                    tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
+                    evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
+                elif name == "latency.json":
+                    latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+                else:
+                    rows.append(row)
+    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)))
+
+
+def _num(df: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
+
+
+def param_columns(df: pd.DataFrame) -> list[str]:
+    return [c for c in df.columns if c.startswith("compressor_params.") and c != "compressor_params.name"]
+
+
+def _params_text(row: pd.Series, cols: list[str]) -> str:
+    parts = []
+    for c in cols:
+        v = row.get(c)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        parts.append(f"{c.removeprefix('compressor_params.')}={plain(v)}")
+    return " ".join(parts)
+
+
+def plain(v) -> str:
+    """A value as text, whole floats without their ``.0`` (a parameter read back from a table column is a float)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _derive(df: pd.DataFrame) -> pd.DataFrame:
+    """Columns every figure and table relies on: context length, distance to the bound, parameter text."""
+    if df.empty:
+        return df
+    df = df.copy()
+    seq = _num(df, "cfg.dataset.seq_len")
+    per_seq = _num(df, "n_tokens") / _num(df, "n_sequences")
+    context = seq.fillna(per_seq).astype(float)
+    if "workload" in df:  # sessions of a workload have their own lengths: the mean session
+        multi = df["workload"].notna() & ~df["workload"].astype(str).isin(["none", ""])
+        context = per_seq.astype(float).where(multi, context)
+    df["context_len"] = context
+    df["x_bound"] = _num(df, "bits_per_token") / _num(df, "bound_bits_per_token")
+    pcols = param_columns(df)
+    df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)
+    sort = [c for c in ("model", "dataset", "compressor", "params", "context_len", "bits_per_element") if c in df]
+    return df.sort_values(sort, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def series_label(df: pd.DataFrame, exclude: Iterable[str] = RATE_KNOBS) -> pd.Series:
+    """A curve label per row: the compressor plus whichever of its parameters vary among its runs, except
+    ``exclude`` (the parameters that move a point along the curve)."""
+    if df.empty:
+        return pd.Series(dtype=str)
+    labels = pd.Series(df["compressor"].astype(str), index=df.index)
+    if "compressor_params.inner.name" in df:  # a pipeline is named by what it wraps: pipeline(turboquant)
+        inner = df["compressor_params.inner.name"]
+        labels = labels.where(inner.isna(), labels + "(" + inner.astype(str) + ")")
+    pcols = [c for c in param_columns(df) if c.removeprefix("compressor_params.") not in set(exclude)]
+    for _, idx in df.groupby("compressor").groups.items():
+        sub = df.loc[idx]
+        varying = [c for c in pcols if sub[c].astype(str).nunique(dropna=False) > 1]
+        if varying:
+            text = sub.apply(lambda r, v=varying: _params_text(r, v), axis=1)
+            labels.loc[idx] = (labels.loc[idx] + " " + text).str.strip()
+    return labels
+
+
+def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFrame:
+    """Per (model, dataset, curve): the highest compression ratio whose delta_nll <= tol * nll_base."""
+    need = {"compression_ratio", "delta_nll", "nll_base"}
+    if df.empty or not need <= set(df.columns):
+        return pd.DataFrame()
+    d = df.assign(series=series_label(df), ratio=_num(df, "compression_ratio"), dnll=_num(df, "delta_nll"),
+                  base=_num(df, "nll_base"))
+    d = d[d["dnll"].notna() & d["base"].notna() & d["ratio"].notna()]
+    ok = d[d["dnll"] <= tol * d["base"]]
+    if ok.empty:
+        return pd.DataFrame()
+    best = ok.loc[ok.groupby(["model", "dataset", "series"])["ratio"].idxmax()]
+    cols = ["model", "dataset", "series", "params", "bits_per_element", "bits_per_token", "x_bound", "compression_ratio",
+            "delta_nll", "nll_base"]
+    out = best[[c for c in cols if c in best]]
+    return out.rename(columns={"series": "compressor"}).sort_values(["model", "dataset", "compression_ratio"],
+                                                                   ascending=[True, True, False])

@@ -4,10 +4,9 @@ the entropy bound, and what each costs in time.
     .venv/bin/python scripts/sequential.py            # run the missing cells, then tables and figure
     .venv/bin/python scripts/sequential.py --no-run   # tables and figure from the runs already there
 
-Every cell is one ``python -m kvbench run`` under ``flock /tmp/kvbench-bench.lock`` (one timing at a time on a
+Every cell runs through ``kvbench.cells.run_cell`` under ``/tmp/kvbench-bench.lock`` (one timing at a time on a
 shared machine), single-threaded, with its run directory under ``results/sweeps/sequential/runs`` (git-ignored).
-A cell already there (same model, data, dtype, compressor and fields; the newest run of any code version) is
-not run again. Writes
+A cell already there (the newest finished run of its cell key, any code version) is not run again. Writes
 ``results/figures/sequential.{png,pdf}`` and ``results/sequential_tables.md`` (the tables quoted in
 ``results/sequential.md``). The ideal -log2 p column is the coder's own model estimate, recorded beside the coded
 size in ``compressor_stats``; the rate itself is always the harness's count of the bitstream.
@@ -16,83 +15,88 @@ size in ``compressor_stats``; the rate itself is always the harness's count of t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from kvbench.config import available, compose, make_compressor
+from study_cells import LOCK, bench_lock, compose, finished_run
+
+from kvbench.cells import formatter, run_cell
+from kvbench.config import available
+from kvbench.models import ModelHandle
 from kvbench.paths import repo_root
 from kvbench.report_tables import format_ratio
 
-LOCK = "/tmp/kvbench-bench.lock"
 STEPS = (0.1, 0.5)
 #: this study's runs, apart from other sweeps (git-ignored): every cell here is timed under the same conditions
 RUNS = repo_root() / "results" / "sweeps" / "sequential"
 #: one thread per cell: on a 2-core machine shared with other jobs, two threads spin against each other and
-#: one-token-at-a-time passes (recompute, delta/model) run several times slower than on one
+#: one-token-at-a-time passes (recompute, speculative) run several times slower than on one
 THREADS = "1"
+#: compressors whose decoder runs the model one token at a time (minutes per sequence)
+SLOW = ("recompute", "speculative")
+#: the compressors that code residuals, whose bitstream parts the second table breaks down
+RESIDUAL_CODERS = ("delta", "speculative")
+
+
+def _step_label(name: str, step: float) -> str:
+    return name + (" exact" if step == 0 else f" step {step:g}")
 
 
 def cells() -> list[tuple[str, str, list[str]]]:
-    """(label, config name, overrides), in display order; TurboQuant only where it is configured."""
+    """(label, config name, overrides), in display order; only compressors configured here."""
     out = [("identity", "identity", []), ("lossless", "lossless", [])]
-    for pred in ("previous", "linear", "cross_layer", "model"):
+    for pred in ("previous", "linear", "cross_layer"):
         for step in (0.0, *STEPS):
-            label = f"delta {pred}" + (" exact" if step == 0 else f" step {step:g}")
-            out.append((label, "delta", [f"compressor.predictor={pred}", f"compressor.step={step}"]))
+            out.append((_step_label(f"delta {pred}", step), "delta",
+                        [f"compressor.predictor={pred}", f"compressor.step={step}"]))
+    # delta coding against the model's own prediction (its own compressor); labelled as the delta family it is
+    for step in (0.0, *STEPS):
+        out.append((_step_label("delta model", step), "speculative", [f"compressor.step={step}"]))
     # a step per channel from calibration (bits=): one fixed step is far too coarse for layers whose values are
     # small (SmolLM2's layer-0 values have an RMS of 0.04)
     for pred, bits in (("previous", 2.0), ("previous", 3.0), ("linear", 3.0), ("cross_layer", 3.0)):
         out.append((f"delta {pred} bits {bits:g}", "delta", [f"compressor.predictor={pred}", f"compressor.bits={bits}"]))
-    model01 = ["compressor.predictor=model", "compressor.step=0.1"]
-    out.append(("delta model step 0.1 plain ids", "delta", [*model01, "compressor.token_coding=plain"]))
+    out.append(("delta model step 0.1 plain ids", "speculative", ["compressor.step=0.1", "compressor.token_coding=plain"]))
     out.append(("recompute", "recompute", []))
     out.append(("kivi 2-bit", "kivi", []))
-    if "turboquant" in available("compressor"):
-        out.append(("turboquant 3-bit", "turboquant", []))
-    return out
+    out.append(("turboquant 3-bit", "turboquant", []))
+    have = set(available("compressor"))
+    return [c for c in out if c[1] in have]
 
 
-def _key(params: dict, model: str, dataset: str, n_seq: int, n_tok: int, dtype: str, device: str) -> str:
-    return json.dumps([params, model, dataset, n_seq, n_tok, dtype, device], sort_keys=True, default=str)
+def cell_config(name: str, overrides: list[str], root: Path):
+    return compose("run", [f"+compressor={name}", *overrides], root)
 
 
-def cell_key(name: str, overrides: list[str]) -> str:
-    """What a finished run of this cell records in its summary.json (model, data, compressor and its fields)."""
-    cfg = compose([f"+compressor={name}", *overrides])
-    ds = cfg.dataset
-    params = make_compressor(cfg.compressor).describe()
-    return _key(params, cfg.model.name, ds.name, ds.n_sequences, ds.n_sequences * ds.seq_len, cfg.dtype, cfg.device)
+def run_missing(rows: list[tuple[str, str, list[str]]], root: Path) -> None:
+    """Measure every cell without a finished run, each alone under the benchmark lock, on one loaded model."""
+    handle = None
+    # the cells that decode one token at a time take minutes per sequence: run them last
+    slow = [r for r in rows if r[1] in SLOW]
+    for label, name, ov in [r for r in rows if r not in slow] + slow:
+        cfg = cell_config(name, ov, root)
+        if finished_run("run", cfg) is not None:
+            continue
+        handle = handle or ModelHandle(cfg.model, cfg.device)
+        print(f"== {label}: +compressor={name} {' '.join(ov)} (one thread, under {LOCK})", flush=True)
+        with bench_lock():
+            out = run_cell("run", cfg, handle)
+        print(formatter("run")(out.summary), flush=True)
 
 
-def finished_runs(root: Path) -> dict[str, dict]:
-    """The newest summary per cell key under ``root/runs`` (any code version)."""
-    best: dict[str, dict] = {}
-    for path in sorted(root.glob("runs/*/summary.json")):
-        s = json.loads(path.read_text())
-        k = _key(s.get("compressor_params"), s["model"], s["dataset"], s["n_sequences"], s["n_tokens"], s["dtype"],
-                 s["device"])
-        if k not in best or s["created"] > best[k]["created"]:
-            best[k] = s
-    return best
-
-
-def run_cell(name: str, overrides: list[str]) -> None:
-    cmd = ["flock", LOCK, sys.executable, "-m", "kvbench", "run", f"+compressor={name}", *overrides]
-    env = {**os.environ, "KVBENCH_RESULTS": str(RUNS), "OMP_NUM_THREADS": THREADS}
-    print(f"$ KVBENCH_RESULTS={RUNS} OMP_NUM_THREADS={THREADS} flock {LOCK} python -m kvbench run",
-          *cmd[6:], flush=True)
-    subprocess.run(cmd, check=True, cwd=repo_root(), env=env)
+def one_thread(argv: list[str]) -> None:
+    """Re-run this script with ``OMP_NUM_THREADS=THREADS`` unless it has it: torch and numpy read the thread
+    count once, when they load, so it cannot be lowered from inside."""
+    if os.environ.get("OMP_NUM_THREADS") != THREADS:
+        os.execve(sys.executable, [sys.executable, __file__, *argv], {**os.environ, "OMP_NUM_THREADS": THREADS})
 
 
 def load(rows: list[tuple[str, str, list[str]]], root: Path) -> list[tuple[str, list[str], dict]]:
-    runs = finished_runs(root)
     found = []
     for label, name, ov in rows:
-        s = runs.get(cell_key(name, ov))
+        s = finished_run("run", cell_config(name, ov, root))
         if s is None:
             print(f"missing: {label}", file=sys.stderr)
         else:
@@ -131,7 +135,7 @@ def tables(found: list[tuple[str, list[str], dict]]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, _, s in found:
-        if s["compressor"] != "delta":
+        if s["compressor"] not in RESIDUAL_CODERS:
             continue
         n, p, st = s["n_tokens"], s["bits_by_part"], s.get("compressor_stats", {})
         # plain ids have no model estimate: ceil(log2 V) bits each is both their size and their ideal
@@ -201,11 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows, root = cells(), RUNS
     if not args.no_run:
-        # the cells that decode one token at a time take minutes per sequence: run them last
-        slow = [r for r in rows if r[1] == "recompute" or "compressor.predictor=model" in r[2]]
-        for _, name, ov in [r for r in rows if r not in slow] + slow:
-            if cell_key(name, ov) not in finished_runs(root):
-                run_cell(name, ov)
+        one_thread(sys.argv[1:] if argv is None else argv)
+        run_missing(rows, root)
     found = load(rows, root)
     if not found:
         print("no finished runs", file=sys.stderr)

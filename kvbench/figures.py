@@ -133,6 +133,24 @@ def _symlog_if_spans(ax, values) -> None:
         ax.set_ylim(lo, raw.max() * 2)
 
 
+def _mean_curves(ax, g: pd.DataFrame, x: str, y: str, styles: dict[str, dict], x_scale: float = 1) -> None:
+    """One line per series through its mean ``y`` at each ``x`` (repeated cells of a sweep are averaged)."""
+    for name, s in g.groupby("series", sort=True):
+        s = s.groupby(x, as_index=False)[y].mean()
+        ax.plot(x_scale * s[x], s[y], label=name, **styles[name])
+
+
+def _reference_curve(ax, g: pd.DataFrame, x: str, y: str, label: str, x_scale: float = 1) -> list[float]:
+    """The dashed reference (the entropy bound, ideal dedup) through the mean ``y`` at each ``x``; its y values,
+    for the axis scale. Nothing when no row of the panel carries ``y``."""
+    b = _finite(g, y)
+    if b.empty:
+        return []
+    b = b.groupby(x, as_index=False)[y].mean()
+    ax.plot(x_scale * b[x], b[y], marker="s", **BOUND_STYLE, label=label)
+    return list(b[y])
+
+
 def rate_distortion(df: pd.DataFrame):
     """Bits per element against delta_nll, one line per compressor (and per non-rate setting)."""
     d = _finite(_single_sequence_runs(df), "bits_per_element", "delta_nll")
@@ -182,16 +200,9 @@ def context_length(df: pd.DataFrame):
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
-            for name, s in g.groupby("series", sort=True):
-                s = s.groupby("context_len", as_index=False)["bits_per_token"].mean()
-                ax.plot(s["context_len"], s["bits_per_token"], label=name, **styles[name])
-            b = _finite(g, "bound_bits_per_token")
+            _mean_curves(ax, g, "context_len", "bits_per_token", styles)
             ys = list(g["bits_per_token"])
-            if not b.empty:
-                b = b.groupby("context_len", as_index=False)["bound_bits_per_token"].mean()
-                ax.plot(b["context_len"], b["bound_bits_per_token"], marker="s", **BOUND_STYLE,
-                        label="entropy bound H(token | history)")
-                ys += list(b["bound_bits_per_token"])
+            ys += _reference_curve(ax, g, "context_len", "bound_bits_per_token", "entropy bound H(token | history)")
             _log_if_spans(ax, "y", ys)
             _log_if_spans(ax, "x", g["context_len"], base=2, span=4)  # doubling sweeps: even steps
             ax.set_xlabel("context length (tokens)")
@@ -259,14 +270,10 @@ def prefix_sharing(df: pd.DataFrame):
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
+            _mean_curves(ax, g, x, "compression_ratio", styles, x_scale=100)
             ys = list(g["compression_ratio"])
-            for name, s in g.groupby("series", sort=True):
-                s = s.groupby(x, as_index=False)["compression_ratio"].mean()
-                ax.plot(100 * s[x], s["compression_ratio"], label=name, **styles[name])
             if ideal:
-                b = _finite(g, ideal).groupby(x, as_index=False)[ideal].mean()
-                ax.plot(100 * b[x], b[ideal], marker="s", **BOUND_STYLE, label="exact dedup: tokens / unique tokens")
-                ys += list(b[ideal])
+                ys += _reference_curve(ax, g, x, ideal, "exact dedup: tokens / unique tokens", x_scale=100)
             _log_if_spans(ax, "y", ys)
             ax.set_xlabel("share rate (% of tokens in a prefix seen before)")
             ax.set_ylabel(r"compression ratio vs 16-bit ($\times$)")

@@ -1,6 +1,6 @@
 """Prefix sharing (Layer 1): the cells behind results/prefix_sharing.md, and its figures and tables.
 
-    .venv/bin/python scripts/prefix_sharing.py run       # runs every cell with `python -m kvbench run` (resumable)
+    .venv/bin/python scripts/prefix_sharing.py run       # runs every missing cell (as `python -m kvbench run` would)
     .venv/bin/python scripts/prefix_sharing.py figures   # reads results/runs, writes figures and tables
 
 Cells (SmolLM2-135M-Instruct, SOTU text, BIG-bench tasks):
@@ -13,13 +13,15 @@ Figures go to results/figures/prefix_sharing_*.{png,pdf}; tables to results/pref
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
+from study_cells import compose, finished_run
+
+from kvbench.paths import results_root
+from kvbench.results import newest_per_cell, summaries
+
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "results" / "runs"
 FIGS = ROOT / "results" / "figures"
 OUT = ROOT / "results" / "prefix_sharing"
 
@@ -72,59 +74,39 @@ def cells() -> list[list[str]]:
     return out
 
 
-# fields added after some cells ran, with the value those cells had
-_LATER_FIELDS = {"verify_kv": True}
-
-
-def _key(cfg: dict) -> str:
-    comp = dict(cfg.get("compressor") or {})
-    if comp.get("_target_") == "compressors.trie.Trie":
-        comp = {**_LATER_FIELDS, **comp}
-    if isinstance(comp.get("dedup"), dict):
-        comp["dedup"] = {**_LATER_FIELDS, **comp["dedup"]}
-    return json.dumps([comp, cfg.get("workload"), cfg.get("metrics", {}).get("nll"), cfg.get("model"),
-                       cfg.get("dataset")], sort_keys=True)
-
-
 def run_all() -> None:
-    from omegaconf import OmegaConf
+    """Measure every cell without a finished run (of any code version) on one loaded model; a failing cell is
+    reported and the others still run."""
+    from kvbench.cells import run_cell
+    from kvbench.models import ModelHandle
 
-    from kvbench.config import compose
-
-    done = {_key(s["_cfg"]) for s in load()}  # finished under any code version: not rerun
+    root, handle = results_root(), None
     todo = cells()
     for i, args in enumerate(todo, 1):
-        if _key(OmegaConf.to_container(compose(args), resolve=True)) in done:
+        cfg = compose("run", args, root)
+        if finished_run("run", cfg) is not None:
             continue
         print(f"[{i}/{len(todo)}] python -m kvbench run {' '.join(args)}", flush=True)
-        proc = subprocess.run([sys.executable, "-m", "kvbench", "run", *args], cwd=ROOT)
-        if proc.returncode:
-            print(f"  failed with exit code {proc.returncode}", file=sys.stderr)
+        handle = handle or ModelHandle(cfg.model, cfg.device)
+        try:
+            run_cell("run", cfg, handle)
+        except Exception as e:  # noqa: BLE001 - one failing cell must not stop the sweep
+            print(f"  failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 # ---- reading -----------------------------------------------------------------------------------------------
 def load() -> list[dict]:
-    """Workload summaries with their resolved configs; the newest of identical configs wins."""
-    latest: dict[str, dict] = {}
-    for path in RUNS.glob("*/summary.json"):
-        s = json.loads(path.read_text())
-        if "workload" not in s:
-            continue
-        cfg = json.loads((path.parent / "config.json").read_text())
-        s["_cfg"] = cfg
-        s["_run"] = path.parent.name
-        key = _key(cfg)
-        if key not in latest or s["created"] > latest[key]["created"]:
-            latest[key] = s
-    return list(latest.values())
+    """Workload summaries (each with its resolved ``config``): the newest run of each cell."""
+    return [s for s in newest_per_cell(summaries([results_root() / "runs"], "run")) if "workload" in s]
 
 
 def _wl(s: dict) -> dict:
-    return s["_cfg"]["workload"]
+    return s["config"]["workload"]
 
 
 def _comp(s: dict) -> dict:
-    return s["_cfg"]["compressor"]
+    """The compressor's every field, defaults included (what the cell is keyed by)."""
+    return s["compressor_params"]
 
 
 def _label(s: dict) -> str:
@@ -137,22 +119,22 @@ def _label(s: dict) -> str:
 
 def sweep_rows(rows: list[dict]) -> list[dict]:
     out = [s for s in rows if s["compressor"] == "trie" and _wl(s).get("n_sessions") == 32
-           and "target_share_rate" in _wl(s) and _comp(s).get("budget_tokens") is None
-           and not s["_cfg"]["metrics"]["nll"]]
+           and "target_share_rate" in _wl(s) and _comp(s)["budget_tokens"] is None
+           and not s["config"]["metrics"]["nll"]]
     return sorted(out, key=lambda s: (_variant(s), s["sharing"]["share_rate"]))
 
 
 def _variant(s: dict) -> str:
     c = _comp(s)
-    return f"block {c['block_size']}" + ("" if c.get("verify_kv", True) else ", token match only")
+    return f"block {c['block_size']}" + ("" if c["verify_kv"] else ", token match only")
 
 
 def family_rows(rows: list[dict]) -> list[dict]:
     out = [s for s in rows if s["compressor"] == "trie" and s["workload"] in FAMILIES
-           and _comp(s).get("budget_tokens") is None and _comp(s)["block_size"] == 16 and _comp(s).get("verify_kv", True)]
+           and _comp(s)["budget_tokens"] is None and _comp(s)["block_size"] == 16 and _comp(s)["verify_kv"]]
     best: dict[str, dict] = {}
     for s in out:  # one per family (a run with NLL on has the same bits)
-        if s["workload"] not in best or not s["_cfg"]["metrics"]["nll"]:
+        if s["workload"] not in best or not s["config"]["metrics"]["nll"]:
             best[s["workload"]] = s
     return sorted(best.values(), key=lambda s: s["sharing"]["share_rate"])
 
@@ -166,11 +148,11 @@ def _policy(s: dict) -> str:
     c = _comp(s)
     if c["policy"] == "lru":
         return "LRU"
-    return "PLT" if c.get("plt_weight", 1.0) else "PLT, frequency only"
+    return "PLT" if c["plt_weight"] else "PLT, frequency only"
 
 
 def compose_rows(rows: list[dict]) -> list[dict]:
-    out = [s for s in rows if s["_cfg"]["metrics"]["nll"] and (s["workload"] == "shared_system" or (
+    out = [s for s in rows if s["config"]["metrics"]["nll"] and (s["workload"] == "shared_system" or (
         s["workload"] == "mixed" and _wl(s).get("n_sessions") == 32 and _wl(s).get("target_share_rate") == 0.5))]
     order = ["identity", "trie", "kivi", "trie+kivi", "turboquant", "trie+turboquant", "delta", "trie+delta"]
     return sorted(out, key=lambda s: (s["workload"], order.index(_label(s)) if _label(s) in order else 99, _label(s)))

@@ -3,8 +3,9 @@
     .venv/bin/python scripts/accuracy.py            # run the missing cells, then table and figure
     .venv/bin/python scripts/accuracy.py --no-run   # table and figure from the runs already there
 
-Each cell is one ``python -m kvbench eval`` (accuracy needs no lock: nothing in it is timed for publication); a
-finished cell of the same config and code version is reused. Writes ``results/figures/accuracy.{png,pdf}``,
+Each cell is what ``python -m kvbench eval`` would run, through ``kvbench.cells.run_cell`` on one loaded model
+(accuracy needs no lock: nothing in it is timed for publication); a finished run of the same cell, of any code
+version, is reused. Writes ``results/figures/accuracy.{png,pdf}``,
 ``results/accuracy.csv`` (one row per compressor and task) and prints the Markdown table quoted in
 ``results/accuracy.md``.
 """
@@ -12,17 +13,18 @@ finished cell of the same config and code version is reused. Writes ``results/fi
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from study_cells import compose, finished_run
 
+from kvbench.cells import formatter, run_cell
 from kvbench.config import available
-from kvbench.paths import repo_root
+from kvbench.models import ModelHandle
+from kvbench.paths import repo_root, results_root
 
 STYLE = {"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
          "ytick.labelsize": 7, "axes.grid": True, "grid.alpha": 0.3, "savefig.dpi": 200, "pdf.fonttype": 42}
@@ -36,14 +38,17 @@ def cells() -> list[tuple[str, list[str]]]:
     return out
 
 
-def latest(results: Path, name: str, params: dict | None = None) -> dict | None:
-    """Newest eval summary of compressor ``name`` whose parameters include ``params``."""
-    found = []
-    for f in results.glob(f"runs/eval-{name}-*/eval.json"):
-        s = json.loads(f.read_text())
-        if all(s["compressor_params"].get(k) == v for k, v in (params or {}).items()):
-            found.append(s)
-    return max(found, key=lambda s: s["created"]) if found else None
+def run_all(runs: Path) -> None:
+    """Measure every cell that has no finished run under ``runs``, on one loaded model."""
+    handle = None
+    for label, overrides in cells():
+        print(f"== {label}", flush=True)
+        cfg = compose("eval", overrides, runs)
+        handle = handle or ModelHandle(cfg.model, cfg.device)
+        out = run_cell("eval", cfg, handle)
+        if out.reused:
+            print(f"reusing finished run {out.path}")
+        print(formatter("eval")(out.summary), flush=True)
 
 
 def table(summaries: list[tuple[str, dict]]) -> pd.DataFrame:
@@ -89,17 +94,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-run", action="store_true", help="only tabulate and plot the runs already there")
     args = ap.parse_args()
-    root = repo_root()
-    results = root / "results"
+    results = repo_root() / "results"
+    runs = results_root()
     if not args.no_run:
-        for label, overrides in cells():
-            print(f"== {label}", flush=True)
-            subprocess.run([sys.executable, "-m", "kvbench", "eval", *overrides], cwd=root, check=True)
+        run_all(runs)
     picked = []
     for label, overrides in cells():
-        name = overrides[0].split("=", 1)[1]
-        params = {o.split("=")[0].split(".")[1]: float(o.split("=")[1]) for o in overrides[1:]}
-        s = latest(results, name, params)
+        s = finished_run("eval", compose("eval", overrides, runs))
         if s is None:
             print(f"no eval run for {label}; run without --no-run", file=sys.stderr)
             continue

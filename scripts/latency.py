@@ -4,28 +4,28 @@
     .venv/bin/python scripts/latency.py            # run the missing cells, then table and figure
     .venv/bin/python scripts/latency.py --no-run   # table and figure from the runs already there
 
-Each cell is one ``python -m kvbench latency`` under ``flock /tmp/kvbench-bench.lock``. Compressors whose decoder
-re-runs the model (recompute, delta with the model predictor) cost a model pass per decoded token, so their cells
-use a short context and few tokens (listed in ``CELLS``). Writes ``results/figures/latency.{png,pdf}``,
+Each cell is one ``python -m kvbench latency`` (``kvbench.cells.run_cell`` in a process of its own: the peak-memory
+column is the whole process's, which earlier cells in the same process would inflate) under
+``flock /tmp/kvbench-bench.lock``; the table reads the newest finished run of each cell. Compressors whose decoder
+re-runs the model (recompute, speculative) cost a model pass per decoded token, so their cells use a short context
+and few tokens (listed in ``CELLS``). Writes ``results/figures/latency.{png,pdf}``,
 ``results/latency.csv`` and prints the Markdown table quoted in ``results/latency.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from study_cells import LOCK, compose, finished_run
 
 from kvbench.config import available
-from kvbench.paths import repo_root
+from kvbench.paths import repo_root, results_root
 
-LOCK = "/tmp/kvbench-bench.lock"
 STYLE = {"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8, "legend.fontsize": 7, "xtick.labelsize": 7,
          "ytick.labelsize": 7, "axes.grid": True, "grid.alpha": 0.3, "savefig.dpi": 200, "pdf.fonttype": 42}
 SLOW = ["latency.contexts=[512]", "latency.decode_tokens=8"]
@@ -34,7 +34,8 @@ CELLS = [  # (label, config name, overrides)
     ("kivi 2-bit", "kivi", ["compressor.bits=2"]),
     ("turboquant 2.5-bit", "turboquant", ["compressor.bits=2.5"]),
     ("lossless", "lossless", ["latency.contexts=[512,2048]", "latency.decode_tokens=16"]),
-    ("delta model exact", "delta", ["compressor.predictor=model", "compressor.step=0", *SLOW]),
+    # delta coding against the model's own prediction, under the label of the delta family it belongs to
+    ("delta model exact", "speculative", ["compressor.step=0", *SLOW]),
     ("recompute", "recompute", SLOW),
 ]
 
@@ -42,26 +43,6 @@ CELLS = [  # (label, config name, overrides)
 def cells() -> list[tuple[str, str, list[str]]]:
     have = set(available("compressor"))
     return [c for c in CELLS if c[1] in have]
-
-
-def _matches(s: dict, name: str, overrides: list[str]) -> bool:
-    if s["compressor"] != name:
-        return False
-    for o in overrides:
-        key, val = o.split("=", 1)
-        if key.startswith("compressor."):
-            got = s["compressor_params"].get(key.split(".", 1)[1])
-            if str(got) != val and not (isinstance(got, (int, float)) and float(val) == got):
-                return False
-        elif key == "latency.contexts" and [int(v) for v in val.strip("[]").split(",")] != s["contexts"]:
-            return False
-    return True
-
-
-def latest(results: Path, name: str, overrides: list[str]) -> dict | None:
-    found = [json.loads(f.read_text()) for f in results.glob(f"runs/latency-{name}-*/latency.json")]
-    found = [s for s in found if _matches(s, name, overrides)]
-    return max(found, key=lambda s: s["created"]) if found else None
 
 
 def table(picked: list[tuple[str, dict]]) -> pd.DataFrame:
@@ -125,17 +106,17 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="labels of the cells to run (default: all)")
     args = ap.parse_args()
     root = repo_root()
-    results = root / "results"
+    results, runs = root / "results", results_root()
     if not args.no_run:
         for label, name, overrides in cells():
             if args.only and label not in args.only:
                 continue
             print(f"== {label}", flush=True)
-            subprocess.run(["flock", LOCK, sys.executable, "-m", "kvbench", "latency", f"+compressor={name}", *overrides],
-                           cwd=root, check=True)
+            subprocess.run(["flock", LOCK, sys.executable, "-m", "kvbench", "latency", f"+compressor={name}", *overrides,
+                            f"paths.results={runs}"], cwd=root, check=True)
     picked = []
     for label, name, overrides in cells():
-        s = latest(results, name, overrides)
+        s = finished_run("latency", compose("latency", [f"+compressor={name}", *overrides], runs))
         if s is None:
             print(f"no latency run for {label}", file=sys.stderr)
             continue

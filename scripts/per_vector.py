@@ -2,9 +2,10 @@
 
     flock /tmp/kvbench-bench.lock .venv/bin/python scripts/per_vector.py [--force]
 
-Runs each cell with ``kvbench.runner.measure`` on the default run config (SmolLM2-135M, SOTU, 4 x 1024-token
-windows, NLL of 128 held-out tokens), writes every run under ``results/runs/`` as ``python -m kvbench run`` does
-(and reuses a finished run of the same config and code unless ``--force``), then writes
+Runs each cell through ``kvbench.cells.run_cell`` on the default run config (SmolLM2-135M, SOTU, 4 x 1024-token
+windows, NLL of 128 held-out tokens) and one loaded model, so every run lands under ``results/runs/`` as with
+``python -m kvbench run`` (a finished run of the same cell, of any code version, is reused unless ``--force``),
+then writes
 
     results/per_vector.json            one compact row per cell
     results/figures/per_vector.{png,pdf}
@@ -23,12 +24,12 @@ import math
 import os
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from study_cells import compose
 
-from kvbench.config import compose, make_compressor
+from kvbench.cells import run_cell
 from kvbench.models import ModelHandle
 from kvbench.paths import results_root
-from kvbench.runner import measure, run_dir_for, write_run
+from kvbench.results import Outcome
 
 TQ_BITS = (2, 2.5, 3, 3.5, 4)
 KIVI_BITS = (2, 3, 4)
@@ -43,17 +44,12 @@ KEYS = ["bits_per_element", "rel_mse_k", "rel_mse_v", "nll_base", "delta_nll", "
 STYLE = {"TQ_mse": ("C0", "o", "-"), "TQ_prod": ("C1", "s", "-"), "KIVI": ("C2", "^", "--"), "KIVI r=0": ("C3", "v", ":")}
 
 
-def run_cell(overrides: list[str], handle: ModelHandle, force: bool) -> tuple[dict, Path]:
-    cfg = compose(overrides)
-    comp = make_compressor(cfg.compressor)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = run_dir_for(cfg_dict, comp)
-    if not force and (run_dir / "summary.json").exists():
-        return json.loads((run_dir / "summary.json").read_text()), run_dir
-    summary, rows = measure(cfg, comp, handle)
-    summary["load_average_1min"] = os.getloadavg()[0]  # timings on a shared machine: record how shared
-    write_run(run_dir, summary, rows, cfg_dict)
-    return summary, run_dir
+def row(method: str, bits: float, out: Outcome) -> dict:
+    """One compact row of per_vector.json. The load average says how shared the machine was while the cell was
+    timed: read now for a cell just measured; a reused run has it only if its summary recorded it."""
+    s = out.summary
+    load = s.get("load_average_1min", None if out.reused else os.getloadavg()[0])
+    return {"method": method, "bits": bits, **{k: s[k] for k in KEYS}, "run": out.path.name, "load_average_1min": load}
 
 
 LABEL = {"TQ_mse": "TQ_mse", "TQ_prod": "TQ_prod", "KIVI": "KIVI (128-token window)", "KIVI r=0": "KIVI, no window"}
@@ -128,16 +124,17 @@ def main() -> None:
         figure(rows, root / "figures" / "per_vector")
         write_table(rows, root / "per_vector.md")
         return
-    handle = ModelHandle(compose([]).model)
+    handle = None
     rows = []
     for method, bits, overrides in CELLS:
-        s, run_dir = run_cell(overrides, handle, args.force)
-        row = {"method": method, "bits": bits, **{k: s[k] for k in KEYS}, "run": str(run_dir.name),
-               "load_average_1min": s.get("load_average_1min", os.getloadavg()[0])}
-        rows.append(row)
-        print(f"{method:<9} {bits:>4}: {row['bits_per_element']:.3f} b/el  rel MSE K {row['rel_mse_k']:.4f} "
-              f"V {row['rel_mse_v']:.4f}  dNLL {row['delta_nll']:+.4f}  enc {row['encode_MBps']:.0f} "
-              f"dec {row['decode_MBps']:.0f} MB/s", flush=True)
+        cfg = compose("run", overrides, root)
+        handle = handle or ModelHandle(cfg.model, cfg.device)
+        out = run_cell("run", cfg, handle, resume=False if args.force else None)
+        r = row(method, bits, out)
+        rows.append(r)
+        print(f"{method:<9} {bits:>4}: {r['bits_per_element']:.3f} b/el  rel MSE K {r['rel_mse_k']:.4f} "
+              f"V {r['rel_mse_v']:.4f}  dNLL {r['delta_nll']:+.4f}  enc {r['encode_MBps']:.0f} "
+              f"dec {r['decode_MBps']:.0f} MB/s", flush=True)
     (root / "per_vector.json").write_text(json.dumps(rows, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
     figure(rows, root / "figures" / "per_vector")
     write_table(rows, root / "per_vector.md")

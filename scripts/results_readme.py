@@ -22,6 +22,7 @@ import pandas as pd
 
 from kvbench.report_data import best_at_tolerance, collect, series_label
 from kvbench.report_tables import BEST_COLUMNS, format_ratio, to_markdown
+from kvbench.results import newest_per_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 # Hand-written findings live between these markers, one block per section; regenerating keeps them.
@@ -133,15 +134,15 @@ def bound_table(df: pd.DataFrame) -> pd.DataFrame:
     return best
 
 
-def latest_per_config(df: pd.DataFrame) -> pd.DataFrame:
-    """One run per resolved config: the newest, when the same cell was run at several code versions."""
-    cfg = sorted(c for c in df.columns if c.startswith(("cfg.", "compressor_params.", "workload_params."))
-                 and not c.startswith("cfg.paths."))
-    if df.empty or not any(c.startswith("cfg.") for c in cfg):
+def newest_run_per_cell(df: pd.DataFrame) -> pd.DataFrame:
+    """One run per cell (``cell_key``): the newest, when the same cell was run at several code versions; runs
+    without a key are kept. The table's order is kept."""
+    if df.empty or "cell_key" not in df:
         return df
-    key = df[["compressor", *cfg]].map(str).agg("|".join, axis=1)
-    newest = df.assign(_key=key, _t=df["created"].map(str) if "created" in df else "").sort_values("_t")
-    return newest.drop_duplicates("_key", keep="last").drop(columns=["_key", "_t"]).sort_index()
+    created = df["created"] if "created" in df else pd.Series("", index=df.index)
+    runs = [{"cell_key": key if isinstance(key, str) else None, "created": c, "row": i}
+            for i, key, c in zip(df.index, df["cell_key"], created)]
+    return df.loc[sorted(r["row"] for r in newest_per_cell(runs))]
 
 
 def sharing_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -230,7 +231,7 @@ def render(runs: Path, report: Path, out: Path) -> str:
         return f"{FINDINGS_OPEN.format(key=key)}\n{kept.get(key, FINDINGS_TODO)}\n{FINDINGS_CLOSE}\n"
 
     got = collect([runs])
-    everything = latest_per_config(got.table)
+    everything = newest_run_per_cell(got.table)
     # multi-session (workload) runs depend on the share rate: they are compared in section 3 only
     single = everything["workload"].isna() | (everything["workload"].astype(str) == "none") if "workload" in everything \
         else pd.Series(True, index=everything.index)
@@ -264,7 +265,8 @@ def render(runs: Path, report: Path, out: Path) -> str:
         _figure(report, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
         findings("sharing"),
         "## 4. Does the predictor's compute eat the memory saved?\n",
-        "Compressors that decode by running the model (`recompute`, `delta` with `predictor=model`) against the rest: "
+        "Compressors that decode by running the model (`recompute`, and `speculative`, which predicts KV with a copy of "
+        "the model) against the rest: "
         "bits per token and decode time per token in section 2, memory saved against decode speed in the end-to-end "
         "table of section 2.\n",
         findings("predictor"),

@@ -29,6 +29,7 @@ import torch
 
 from kvbench.bitstream import Bitstream
 from kvbench.capture import load_or_capture
+from kvbench.compressor import SetCompressor
 from kvbench.config import available, compose, make_compressor
 from kvbench.kv import Context
 from kvbench.models import ModelHandle
@@ -131,7 +132,7 @@ def main() -> int:
             notes = []
             if comp.needs_model:
                 notes.append("decoder runs the model")
-            if hasattr(comp, "encode_set"):
+            if isinstance(comp, SetCompressor):
                 notes.append("single sessions: no cross-session sharing")
             if row["lossless"]:
                 notes.append("bit-exact")

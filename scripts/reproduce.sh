@@ -46,8 +46,8 @@ kvb() { KVBENCH_RESULTS=$SWEEPS locked "$PY" -m kvbench "$@"; }
 # Per model: data size of the sweeps (the run defaults, 4 x 1024 tokens), context lengths (gemma-3-270m's stop at
 # 1024: it costs several times SmolLM2's time per token here, 262k-token vocabulary and 640-wide layers),
 # TurboQuant variants, share rates. Delta and recompute code token by token (seconds per sequence): the bound
-# sweep runs delta at the model's data size and the model-running coders (recompute, delta with the model
-# predictor) on one 256-token window.
+# sweep runs delta at the model's data size and the model-running coders (recompute, and speculative: delta
+# coding whose predictor is a copy of the model) on one 256-token window.
 if [[ "${QUICK:-0}" == 1 ]]; then
     DATA_smollm2_135m="dataset.n_sequences=1 dataset.n_calib=1 dataset.seq_len=256 dataset.eval_len=32"
     DATA_gemma3_270m=$DATA_smollm2_135m
@@ -128,8 +128,8 @@ for m in $MODELS; do
         compressor.bits=2,3
     step "bound: coders that run the model ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" \
         +compressor=identity,recompute
-    step "delta, model predictor ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" +compressor=delta \
-        compressor.predictor=model compressor.step=0,0.1
+    step "speculative: delta, model predictor ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" \
+        +compressor=speculative compressor.step=0,0.1
     step "prefix sharing ($m)" sweep +experiment=prefix_sharing model="$m" workload.n_sessions=$SESSIONS \
         +compressor=trie workload.target_share_rate="$share"
 done

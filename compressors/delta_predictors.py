@@ -28,8 +28,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvbench.bitstream import BitstreamError
-from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+from kvbench.coding.bitstream import BitstreamError
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 
 #: inputs in fixed point with this many fraction bits (float16's smallest subnormal is 2**-24)
 FRACTION_BITS = 24
@@ -74,7 +74,7 @@ class QuantizedWeights:
     @classmethod
     def from_bytes(cls, raw: bytes, shape: tuple[int, ...], bits: int, what: str) -> QuantizedWeights:
         """Inverse of :meth:`to_bytes` for weights of ``shape`` ``(..., n_in + 1, n_out)``; a
-        :class:`~kvbench.bitstream.BitstreamError` naming ``what`` when ``raw`` is not exactly such weights."""
+        :class:`~kvbench.coding.bitstream.BitstreamError` naming ``what`` when ``raw`` is not exactly such weights."""
         shift_shape = (*shape[:-2], shape[-1])
         n_w, n_s = math.prod(shape), math.prod(shift_shape)
         n_wbytes = -(-n_w * bits // 8) if bits <= 8 else 2 * n_w

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_choice
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence

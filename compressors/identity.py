@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.packing import tensor_from_bytes, tensor_to_bytes
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compressors.trie import Trie
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor, Section, SetCompressor
 from kvbench.kv import Context, KVSequence
 from kvbench.prefix.cache import PrefixCache

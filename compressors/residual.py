@@ -8,11 +8,11 @@ only from what the decoder already holds. The loop is closed: predictions come f
 quantization errors never accumulate.
 
 - Lossless (no step): each 16-bit value is coded exactly under a Laplace in value space centred on its prediction
-  (:mod:`kvbench.float_coding`), with one scale per (layer, head, channel) and K/V fitted on the sequence and
+  (:mod:`kvbench.coding.float_coding`), with one scale per (layer, head, channel) and K/V fitted on the sequence and
   stored in the stream. Bit-exact by construction.
 - Quantized (a step, scalar or per channel): the residual is uniformly quantized with that step and the integer
   symbols are range-coded under a quantized Laplace with a scale per (layer, head, channel) and K/V
-  (:mod:`kvbench.entropy`). The error of every element is at most ``step/2`` before the reconstruction is rounded
+  (:mod:`kvbench.coding.entropy`). The error of every element is at most ``step/2`` before the reconstruction is rounded
   to the cache dtype.
 
 Scales are 8-bit log codes (1/8 octave), range-coded around their median. Values with nothing to predict from
@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from compressors.delta_predictors import Predictor
-from kvbench.bitstream import BitstreamError
+from kvbench.coding.bitstream import BitstreamError
 from kvbench.compressor import Section
-from kvbench.entropy import StreamDecoder, StreamEncoder
-from kvbench.float_coding import decode_values, encode_values
+from kvbench.coding.entropy import StreamDecoder, StreamEncoder
+from kvbench.coding.float_coding import decode_values, encode_values
 from kvbench.kv import KVSequence
 
 KINDS = ("k", "v")
@@ -56,7 +56,7 @@ LEAK = 2.0**-24
 
 def ideal_bits_leaky_laplace(symbols: np.ndarray, scales: np.ndarray) -> float:
     """The coder's model estimate, sum of -log2 p, for the quantized Laplace *as the coder uses it*: the scale floor
-    of :mod:`kvbench.entropy` and the leaky quantizer's probability floor (``entropy.ideal_bits_laplace`` has no
+    of :mod:`kvbench.coding.entropy` and the leaky quantizer's probability floor (``entropy.ideal_bits_laplace`` has no
     floor, so heavy-tailed residuals would make its estimate far exceed the coded size)."""
     x = np.asarray(symbols, dtype=np.float64)
     b = np.maximum(np.asarray(scales, dtype=np.float64), 1e-3)

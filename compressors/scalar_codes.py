@@ -9,7 +9,7 @@ kernels and advanced indexing on CPU (measured: a float32 compare 1 ms vs 7 ms, 
   mantissa bits: a bucket narrower than any cell) gives the code at the bucket's low end, and one comparison
   settles the few buckets that straddle a boundary. Both are exact nearest-centroid rules (ties go to the lower
   cell, like ``torch.bucketize``).
-- :func:`dequantize_packed` reads the stream of :func:`kvbench.packing.pack_codes` (LSB-first) as 64-bit words
+- :func:`dequantize_packed` reads the stream of :func:`kvbench.coding.packing.pack_codes` (LSB-first) as 64-bit words
   of 8 codes and looks q codes up at once in a table of all q-tuples of centroids: n/q gathers, no unpacking pass.
 """
 
@@ -85,7 +85,7 @@ def _tuple_table(centroids: tuple[float, ...], bits: int, q: int) -> np.ndarray:
 
 
 def dequantize_packed(raw: bytes, bits: int, n: int, centroids: torch.Tensor) -> torch.Tensor:
-    """Centroids of the ``n`` ``bits``-bit codes packed in ``raw`` by :func:`kvbench.packing.pack_codes`: (n,) float32."""
+    """Centroids of the ``n`` ``bits``-bit codes packed in ``raw`` by :func:`kvbench.coding.packing.pack_codes`: (n,) float32."""
     if len(raw) != -(-n * bits // 8):
         raise ValueError(f"{len(raw)} bytes cannot hold exactly {n} codes of {bits} bits")
     groups = -(-n // 8)

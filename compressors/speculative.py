@@ -29,17 +29,16 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
 from compressors.delta_predictors import FromModel
 from compressors.recompute import Recompute, vocab_size
 from compressors.residual import KINDS, ResidualCoder
-from kvbench.bitstream import Bitstream, BitstreamError
 from kvbench.checks import check_choice, check_range
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import pack_codes, tensor_to_bytes, unpack_codes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.packing import tensor_to_bytes
 from kvbench.timing import Stopwatch
 
 PREDICTOR_DTYPES = ("bf16", "int8", "bf16_compute")
@@ -71,10 +70,7 @@ def _id_bits(model: Any) -> int:
 
 def plain_tokens(tokens: torch.Tensor, model: Any) -> tuple[bytes, int]:
     """Token ids at a fixed ceil(log2 V) bits each, little-endian bit packing."""
-    nb = _id_bits(model)
-    ids = tokens.reshape(-1).to(torch.int64).numpy()  # (T,)
-    bits = ((ids[:, None] >> np.arange(nb)) & 1).astype(np.uint8).reshape(-1)  # (T * nb,)
-    return np.packbits(bits, bitorder="little").tobytes(), int(bits.size)
+    return pack_codes(tokens.reshape(-1), _id_bits(model))
 
 
 def plain_tokens_from(raw: bytes, n: int, model: Any) -> torch.Tensor:
@@ -82,8 +78,7 @@ def plain_tokens_from(raw: bytes, n: int, model: Any) -> torch.Tensor:
     nb = _id_bits(model)
     if len(raw) != -(-n * nb // 8):
         raise BitstreamError(f"speculative: token section holds {len(raw)} bytes, not {n} ids of {nb} bits")
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[: n * nb].reshape(n, nb)  # (n, nb)
-    return torch.from_numpy((bits.astype(np.int64) << np.arange(nb)).sum(1))
+    return unpack_codes(raw, nb, n).long()
 
 
 def _crc(*tensors: torch.Tensor) -> bytes:

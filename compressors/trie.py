@@ -31,62 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvbench.bitstream import Bitstream, BitstreamError
 from kvbench.checks import check_choice, check_range
+from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 from kvbench.compressor import Compressor, SetCompressor
 from kvbench.kv import Context, KVSequence, first_kv_mismatch
-from kvbench.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.prefix.cache import POLICIES, PrefixCache
-
-
-def _varints(values: Sequence[int]) -> bytes:
-    out = bytearray()
-    for n in values:
-        n = int(n)
-        if n < 0:
-            raise ValueError(f"index value {n} < 0")
-        while n >= 0x80:
-            out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        out.append(n)
-    return bytes(out)
-
-
-def _read_varints(raw: bytes, count: int, pos: int = 0) -> tuple[list[int], int]:
-    out = []
-    for _ in range(count):
-        shift = value = 0
-        while True:
-            if pos >= len(raw):
-                raise BitstreamError("trie index is truncated")
-            byte = raw[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                break
-            shift += 7
-        out.append(value)
-    return out, pos
-
-
-def pack_uint(values: np.ndarray, width: int) -> tuple[bytes, int]:
-    """Unsigned integers at ``width`` bits each, big-endian bit order, densely. Returns ``(bytes, bits)``."""
-    v = np.asarray(values, dtype=np.uint64).reshape(-1)
-    if v.size == 0 or width == 0:
-        return b"", 0
-    shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
-    bits = ((v[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)  # (n, width)
-    return np.packbits(bits.reshape(-1)).tobytes(), v.size * width
-
-
-def unpack_uint(raw: bytes, width: int, n: int) -> np.ndarray:
-    if n == 0 or width == 0:
-        return np.zeros(n, dtype=np.int64)
-    if len(raw) != -(-n * width // 8):
-        raise BitstreamError(f"{len(raw)} bytes cannot hold {n} labels of {width} bits")
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8))[: n * width].reshape(n, width).astype(np.uint64)
-    weights = np.uint64(1) << np.arange(width - 1, -1, -1, dtype=np.uint64)
-    return (bits * weights).sum(axis=1).astype(np.int64)
 
 
 @dataclass
@@ -163,7 +113,7 @@ class Trie(SetCompressor):
         index = [self.block_size, width, len(kvs)]
         for kv, p, m in zip(kvs, plan.parent, plan.shared):
             index += [kv.n_tokens, p + 1, m // self.block_size]
-        sections: dict[str, bytes | tuple[bytes, int]] = {"index": _varints(index), "labels": pack_uint(all_labels, width)}
+        sections: dict[str, bytes | tuple[bytes, int]] = {"index": varints(index), "labels": pack_codes(all_labels, width)}
         if inner is None:
             sections["k"] = tensor_to_bytes(torch.cat([s.k for s in segs], dim=2))  # (L, H, U, D)
             sections["v"] = tensor_to_bytes(torch.cat([s.v for s in segs], dim=2))  # (L, H, U, D)
@@ -176,13 +126,13 @@ class Trie(SetCompressor):
     def decode_set(self, bs: Bitstream, ctxs: Sequence[Context], inner: Compressor | None = None,
                    name: str | None = None) -> list[KVSequence]:
         sec = bs.sections(expect=name or self.name)
-        (block, width, n), pos = _read_varints(sec["index"], 3)
+        (block, width, n), pos = read_varints(sec["index"], 3)
         if n != len(ctxs):
             raise BitstreamError(f"the bitstream holds {n} sessions; {len(ctxs)} contexts were given")
-        flat, _ = _read_varints(sec["index"], 3 * n, pos)
+        flat, _ = read_varints(sec["index"], 3 * n, pos)
         lengths, parents, shared = flat[0::3], [p - 1 for p in flat[1::3]], [b * block for b in flat[2::3]]
         new = [T - m for T, m in zip(lengths, shared)]
-        labels = unpack_uint(sec["labels"], width, sum(new)) if width else None
+        labels = unpack_codes(sec["labels"], width, sum(new)).long().numpy() if width else None
         if inner is None:
             c = ctxs[0]
             shape = (c.n_layers, c.n_heads, sum(new), c.head_dim)

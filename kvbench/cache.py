@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_choice, check_range
 from kvbench.codec import decoder_for, state_bytes
 from kvbench.compressor import Compressor

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor, fits, rebuild
 from kvbench.kv import KVSequence
 from kvbench.timing import Stopwatch
@@ -52,6 +52,14 @@ class Codec:
     @property
     def codec_bits(self) -> int:
         return state_bits(self.state)
+
+    def stats(self) -> dict:
+        """What both sides measured along the way (encode stages on one, decode stages on the other); a number
+        both report, such as a predictor's set-up time, is summed: each side paid it."""
+        out = dict(self.encoder.stats())
+        for k, v in self.decoder.stats().items():
+            out[k] = out[k] + v if isinstance(v, (int, float)) and isinstance(out.get(k), (int, float)) else out.get(k, v)
+        return out
 
 
 def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], device: str = "cpu") -> Codec:

@@ -1,6 +1,6 @@
 """The compressor interface.
 
-A compressor turns one sequence's KV into a :class:`~kvbench.bitstream.Bitstream` and back. Its decoder gets the
+A compressor turns one sequence's KV into a :class:`~kvbench.coding.bitstream.Bitstream` and back. Its decoder gets the
 bitstream, the :class:`~kvbench.kv.Context` (shapes, dtype, model) and the codec's fitted state *as bytes*, nothing
 else: the harness serialises the encoder's state with :meth:`Compressor.state`, counts those bytes itself and
 decodes on a fresh instance rebuilt from the config (:func:`rebuild`) that has loaded them (:meth:`load_state`).
@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.kv import Context, KVSequence
 from kvbench.prefix.cache import PrefixCache
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.capture import cache_dtype, load_or_capture
 from kvbench.codec import Codec, prepare
 from kvbench.compressor import Compressor, SetCompressor
@@ -148,7 +148,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "dtype": cfg.dtype,
         "device": cfg.device,
         "compressor_params": compressor.describe(),
-        "compressor_stats": compressor.stats(),
+        "compressor_stats": codec.stats(),
         "model_loaded": handle.loaded,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

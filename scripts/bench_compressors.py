@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.capture import load_or_capture
 from kvbench.compressor import SetCompressor
 from kvbench.config import available, compose, make_compressor

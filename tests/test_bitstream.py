@@ -3,8 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 
 
 def test_parts_sum_to_num_bits_and_fit_in_data():
@@ -63,10 +63,36 @@ def test_tensor_bytes_roundtrip_is_exact(dtype):
 def test_a_declared_bit_count_that_its_bytes_cannot_hold_is_refused():
     import zlib
 
-    from kvbench.bitstream import FORMAT_VERSION, MAGIC, _string, _varint
+    from kvbench.coding.bitstream import FORMAT_VERSION, MAGIC, _string, varints
 
     # a well-formed frame with a valid checksum whose header claims 20 bits for a 1-byte section
-    body = MAGIC + bytes([FORMAT_VERSION]) + _string("demo") + _varint(1) + _string("x") + _varint(20) + _varint(1) + b"\x07"
+    body = MAGIC + bytes([FORMAT_VERSION]) + _string("demo") + varints([1]) + _string("x") + varints([20, 1]) + b"\x07"
     data = body + zlib.crc32(body).to_bytes(4, "big")
     with pytest.raises(BitstreamError, match="declares 20 bits in 1 bytes"):
         Bitstream.from_bytes(data)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.integers(0, 2**63 - 1), max_size=40))
+def test_varints_roundtrip(values):
+    from kvbench.coding.bitstream import read_varints, varints
+
+    raw = varints(values)
+    assert read_varints(raw + b"tail", len(values)) == (values, len(raw))
+    if values:
+        with pytest.raises(BitstreamError, match="truncated"):
+            read_varints(raw[:-1], len(values))
+
+
+@pytest.mark.parametrize("width", [0, 1, 7, 8, 9, 16, 17, 40, 64])
+def test_wide_codes_pack_as_one_lsb_first_stream(width):
+    import numpy as np
+
+    v = np.random.default_rng(width).integers(0, 1 << min(width, 63), 1001, dtype=np.int64) if width else np.zeros(1001, np.int64)
+    raw, bits = pack_codes(torch.from_numpy(v), width)
+    assert bits == 1001 * width and len(raw) == -(-bits // 8)
+    assert np.array_equal(unpack_codes(raw, width, 1001).numpy().astype(np.int64), v)
+    if 1 <= width:  # code 0's low bit is the stream's first bit
+        assert raw[0] & 1 == v[0] & 1
+    with pytest.raises(BitstreamError, match="cannot hold"):
+        unpack_codes(raw + b"\x00", width, 1001)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvbench.bitstream import Bitstream, BitstreamError
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.codec import decoder_for, state_bytes
 from kvbench.compressor import rebuild
 from kvbench.config import available, compose, make_compressor

@@ -15,9 +15,9 @@ from compressors.lossless import (
     level_weights,
     to_planes,
 )
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.config import compose, make_compressor
-from kvbench.entropy import StreamDecoder, StreamEncoder
+from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.kv import Context, KVSequence
 
 

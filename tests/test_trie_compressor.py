@@ -8,9 +8,9 @@ import torch
 from compressors.identity import Identity
 from compressors.kivi import KIVI
 from compressors.pipeline import Pipeline
-from compressors.trie import Trie, first_kv_mismatch, pack_uint, unpack_uint
-from kvbench.bitstream import Bitstream, BitstreamError
-from kvbench.kv import Context, KVSequence
+from compressors.trie import Trie
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.kv import Context, KVSequence, first_kv_mismatch
 from kvbench.prefix.cache import replay
 
 L, H, D = 2, 2, 32
@@ -150,14 +150,6 @@ def test_single_sequence_and_mismatched_contexts():
         comp.decode_set(bs, [ctx])
     with pytest.raises(BitstreamError, match="written by compressor 'trie'"):
         Pipeline().decode_set(bs, _ctxs(_sessions()))
-
-
-@pytest.mark.parametrize("width", [1, 7, 17, 40])
-def test_label_packing_roundtrips(width):
-    v = np.random.default_rng(width).integers(0, 1 << width, 1001)
-    raw, bits = pack_uint(v, width)
-    assert bits == 1001 * width and len(raw) == -(-bits // 8)
-    assert np.array_equal(unpack_uint(raw, width, 1001), v)
 
 
 def test_bad_fields_name_what_is_allowed():

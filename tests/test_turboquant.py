@@ -9,7 +9,7 @@ import torch
 from compressors.rotation import RandomizedHadamard, RandomOrthogonal, fwht, hadamard_matrix
 from compressors.sphere_codebook import codebook, solve
 from compressors.turboquant import TurboQuant, split_bits
-from kvbench.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream
 from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 
@@ -283,7 +283,7 @@ def test_tq_mse_on_smollm2_matches_the_unit_vector_distortion():
 
 def test_pack_codes_is_an_lsb_first_bit_stream():
     # dequantize_packed reads this layout directly
-    from kvbench.packing import pack_codes
+    from kvbench.coding.packing import pack_codes
 
     for bits in range(1, 9):
         codes = torch.randint(0, 1 << bits, (29,), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
@@ -296,7 +296,7 @@ def test_pack_codes_is_an_lsb_first_bit_stream():
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_quantize_and_dequantize_packed_match_the_plain_rules(bits):
     from compressors.scalar_codes import dequantize_packed, quantize
-    from kvbench.packing import pack_codes
+    from kvbench.coding.packing import pack_codes
 
     cb = codebook(64, bits)
     thr, cen = torch.tensor(cb.thresholds, dtype=torch.float32), torch.tensor(cb.centroids, dtype=torch.float32)

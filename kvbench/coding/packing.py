@@ -1,13 +1,16 @@
 """Turning tensors into real bytes and back, vectorised.
 
-``pack_codes`` stores n b-bit codes in exactly ceil(n*b/8) bytes: eight codes make b whole bytes, so each
-group of eight is assembled in one uint64 lane and its low b bytes are kept.
+``pack_codes`` stores n b-bit codes (any b up to 64) in exactly ceil(n*b/8) bytes as one LSB-first bit stream:
+code i occupies bits ``[i*b, (i+1)*b)``, its low bit first. For b <= 8, eight codes make b whole bytes, so each
+group of eight is assembled in one uint64 lane and its low b bytes are kept; wider codes go through a bit matrix.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from kvbench.coding.bitstream import BitstreamError
 
 _NUMPY_OF = {
     torch.float16: np.float16,
@@ -20,11 +23,22 @@ _NUMPY_OF = {
 }
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> tuple[bytes, int]:
-    """Pack integer codes in ``[0, 2**bits)`` densely. Returns ``(bytes, exact_bit_count)``."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    flat = codes.reshape(-1).to(torch.uint8).numpy()
+def _check_width(bits: int) -> None:
+    if not 0 <= bits <= 64 or int(bits) != bits:
+        raise ValueError(f"code width must be a whole number of bits in 0..64, got {bits}")
+
+
+def pack_codes(codes, bits: int) -> tuple[bytes, int]:
+    """Pack integer codes in ``[0, 2**bits)`` (a tensor or array) densely. Returns ``(bytes, exact_bit_count)``;
+    0-bit codes take no bytes."""
+    _check_width(bits)
+    if bits == 0:
+        return b"", 0
+    if bits > 8:
+        v = np.asarray(codes).astype(np.uint64).reshape(-1)  # (n,)
+        planes = ((v[:, None] >> np.arange(bits, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)  # (n, bits)
+        return np.packbits(planes.reshape(-1), bitorder="little").tobytes(), v.size * bits
+    flat = torch.as_tensor(codes).reshape(-1).to(torch.uint8).numpy()
     n = flat.size
     if n == 0:
         return b"", 0
@@ -44,14 +58,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> tuple[bytes, int]:
 
 
 def unpack_codes(raw: bytes, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: ``n`` codes as a uint8 tensor."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    if n == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    groups = -(-n // 8)
+    """Inverse of :func:`pack_codes`: ``n`` codes, uint8 up to 8 bits, int64 above (0-bit codes are zeros)."""
+    _check_width(bits)
     if len(raw) != -(-n * bits // 8):
-        raise ValueError(f"{len(raw)} bytes cannot hold exactly {n} codes of {bits} bits")
+        raise BitstreamError(f"{len(raw)} bytes cannot hold exactly {n} codes of {bits} bits")
+    if bits > 8:
+        planes = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[: n * bits].reshape(n, bits)
+        weights = np.uint64(1) << np.arange(bits, dtype=np.uint64)
+        return torch.from_numpy((planes.astype(np.uint64) * weights).sum(1, dtype=np.uint64).astype(np.int64))
+    if n == 0 or bits == 0:
+        return torch.zeros(n, dtype=torch.uint8)
+    groups = -(-n // 8)
     buf = np.zeros(groups * bits, dtype=np.uint8)
     buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     padded = np.zeros((groups, 8), dtype=np.uint8)

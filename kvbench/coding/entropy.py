@@ -1,8 +1,8 @@
 """Batched entropy coding with constriction (Bamler, "Understanding entropy coding with asymmetric numeral
 systems", arXiv 2201.01741): the probability model is separate from the coder, and bit counts come from the coder.
 
-Every function takes whole numpy arrays; the per-symbol loop runs inside constriction's compiled coder. Streams
-are range-coded and returned as ``(bytes, exact_bits)`` for :meth:`kvbench.bitstream.Bitstream.pack`. Next to
+Every call takes whole numpy arrays; the per-symbol loop runs inside constriction's compiled coder. Streams
+are range-coded, several batches to one stream, and returned as ``(bytes, exact_bits)`` for :meth:`kvbench.coding.bitstream.Bitstream.pack`. Next to
 each actual size, :func:`ideal_bits_*` give the model's own estimate ``sum(-log2 p(symbol))`` so that reports can
 show coder overhead (actual vs. model-estimated rate, as CompressAI does).
 """
@@ -31,24 +31,6 @@ def _as_params(x, n: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(x, dtype=np.float64), (n,)).copy()
 
 
-def encode_laplace(symbols: np.ndarray, scale, lo: int, hi: int, mean=0.0) -> tuple[bytes, int]:
-    """Range-code integers in ``[lo, hi]`` under a quantized Laplace with per-symbol (or scalar) mean and scale."""
-    s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
-    if s.size and (s.min() < lo or s.max() > hi):
-        raise ValueError(f"symbols span [{s.min()}, {s.max()}], outside the coder range [{lo}, {hi}]")
-    enc = _queue.RangeEncoder()
-    if s.size:
-        enc.encode(s, _model.QuantizedLaplace(lo, hi), _as_params(mean, s.size), _safe_scale(scale, s.size))
-    return _finish(enc)
-
-
-def decode_laplace(raw: bytes, n: int, scale, lo: int, hi: int, mean=0.0) -> np.ndarray:
-    if n == 0:
-        return np.zeros(0, dtype=np.int32)
-    dec = _queue.RangeDecoder(_words(raw))
-    return dec.decode(_model.QuantizedLaplace(lo, hi), _as_params(mean, n), _safe_scale(scale, n)).astype(np.int32)
-
-
 def _safe_scale(scale, n: int) -> np.ndarray:
     # The same floor on both sides: the decoder must see the very same model the encoder used.
     return np.maximum(_as_params(scale, n), 1e-3)
@@ -67,47 +49,12 @@ def ideal_bits_laplace(symbols: np.ndarray, scale, mean=0.0) -> float:
     return float(-np.log2(p).sum())
 
 
-def encode_categorical(symbols: np.ndarray, probs: np.ndarray) -> tuple[bytes, int]:
-    """Range-code ``symbols[i]`` under row ``probs[i]`` (``(n, K)``), or one shared ``probs`` row (``(K,)``)."""
-    s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
-    enc = _queue.RangeEncoder()
-    if s.size:
-        p = np.asarray(probs, dtype=np.float64)
-        if p.ndim == 1:
-            enc.encode(s, _model.Categorical(p, perfect=False))
-        else:
-            enc.encode(s, _model.Categorical(perfect=False), np.ascontiguousarray(p))
-    return _finish(enc)
-
-
-def decode_categorical(raw: bytes, n: int, probs: np.ndarray) -> np.ndarray:
-    if n == 0:
-        return np.zeros(0, dtype=np.int32)
-    dec = _queue.RangeDecoder(_words(raw))
-    p = np.asarray(probs, dtype=np.float64)
-    if p.ndim == 1:
-        return dec.decode(_model.Categorical(p, perfect=False), n).astype(np.int32)
-    return dec.decode(_model.Categorical(perfect=False), np.ascontiguousarray(p)).astype(np.int32)
-
-
 def ideal_bits_categorical(symbols: np.ndarray, probs: np.ndarray) -> float:
     p = np.asarray(probs, dtype=np.float64)
     s = np.asarray(symbols, dtype=np.int64).reshape(-1)
     p = p / p.sum(axis=-1, keepdims=True)
     chosen = p[s] if p.ndim == 1 else p[np.arange(s.size), s]
     return float(-np.log2(np.maximum(chosen, 1e-300)).sum())
-
-
-def empirical_entropy_bits(symbols: np.ndarray) -> float:
-    """Zeroth-order empirical entropy times count: what an ideal static model fitted to the data would spend."""
-    _, counts = np.unique(np.asarray(symbols).reshape(-1), return_counts=True)
-    p = counts / counts.sum()
-    return float(-(counts * np.log2(p)).sum())
-
-
-def laplace_scale_mle(x: np.ndarray, axis=None) -> np.ndarray:
-    """Maximum-likelihood Laplace scale, mean |x| (for zero-mean residuals)."""
-    return np.mean(np.abs(np.asarray(x, dtype=np.float64)), axis=axis)
 
 
 class StreamEncoder:
@@ -122,7 +69,7 @@ class StreamEncoder:
         self._enc = _queue.RangeEncoder()
 
     def categorical(self, symbols: np.ndarray, probs: np.ndarray) -> None:
-        """Like :func:`encode_categorical`: one shared row ``(K,)`` or one row per symbol ``(n, K)``."""
+        """Code ``symbols[i]`` under row ``probs[i]`` (``(n, K)``) or one shared row (``(K,)``)."""
         s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
         if not s.size:
             return
@@ -133,6 +80,7 @@ class StreamEncoder:
             self._enc.encode(s, _model.Categorical(perfect=False), np.ascontiguousarray(p))
 
     def laplace(self, symbols: np.ndarray, scale, lo: int, hi: int, mean=0.0) -> None:
+        """Code integers in ``[lo, hi]`` under a quantized Laplace with per-symbol (or scalar) mean and scale."""
         s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
         if s.size and (s.min() < lo or s.max() > hi):
             raise ValueError(f"symbols span [{s.min()}, {s.max()}], outside the coder range [{lo}, {hi}]")
@@ -169,8 +117,4 @@ class StreamDecoder:
         return self._dec
 
 
-__all__ = [
-    "StreamDecoder", "StreamEncoder",
-    "decode_categorical", "decode_laplace", "empirical_entropy_bits", "encode_categorical", "encode_laplace",
-    "ideal_bits_categorical", "ideal_bits_laplace", "laplace_scale_mle",
-]
+__all__ = ["StreamDecoder", "StreamEncoder", "ideal_bits_categorical", "ideal_bits_laplace"]

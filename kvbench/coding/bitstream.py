@@ -26,18 +26,38 @@ class BitstreamError(ValueError):
     """A bitstream is corrupted, truncated, of another format version or from another compressor."""
 
 
-def _varint(n: int) -> bytes:
-    if n < 0:
-        raise ValueError(f"varint must be >= 0, got {n}")
+def varints(values) -> bytes:
+    """Unsigned LEB128: seven bits a byte, low groups first, the high bit set on every byte but a number's last."""
     out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    for n in values:
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"varint must be >= 0, got {n}")
+        while n >= 0x80:
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out)
+
+
+def read_varints(raw: bytes, count: int, pos: int = 0) -> tuple[list[int], int]:
+    """``count`` varints from ``raw`` at ``pos``; returns them and the position after the last."""
+    out = []
+    for _ in range(count):
+        shift = value = 0
+        while True:
+            if pos >= len(raw):
+                raise BitstreamError("bitstream is truncated inside an integer")
+            byte = raw[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+            if shift > 63:
+                raise BitstreamError("bitstream has a malformed integer")
+        out.append(value)
+    return out, pos
 
 
 class _Reader:
@@ -52,15 +72,8 @@ class _Reader:
         return out
 
     def varint(self) -> int:
-        shift = value = 0
-        while True:
-            (byte,) = self.take(1)
-            value |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                return value
-            shift += 7
-            if shift > 63:
-                raise BitstreamError("bitstream header has a malformed integer")
+        (value,), self.pos = read_varints(self.data, 1, self.pos)
+        return value
 
     def string(self) -> str:
         try:
@@ -92,7 +105,7 @@ class Bitstream:
     @classmethod
     def pack(cls, compressor: str, sections: Mapping[str, bytes | tuple[bytes, int]]) -> Bitstream:
         """Frame named sections. A section is ``bytes`` (all bits count) or ``(bytes, exact_bits)``."""
-        header = bytearray(MAGIC + bytes([FORMAT_VERSION]) + _string(compressor) + _varint(len(sections)))
+        header = bytearray(MAGIC + bytes([FORMAT_VERSION]) + _string(compressor) + varints([len(sections)]))
         payloads, parts = [], {}
         for name, sec in sections.items():
             raw, nbits = (sec, 8 * len(sec)) if isinstance(sec, (bytes, bytearray)) else sec
@@ -101,7 +114,7 @@ class Bitstream:
                 raise ValueError(f"section {name!r}: {nbits} bits do not fit {len(raw)} bytes")
             if name == "frame" or name in parts:
                 raise ValueError(f"section name {name!r} is reserved or repeated")
-            header += _string(name) + _varint(nbits) + _varint(len(raw))
+            header += _string(name) + varints([nbits, len(raw)])
             payloads.append(raw)
             parts[name] = nbits
         body = bytes(header) + b"".join(payloads)

@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvbench.entropy import StreamDecoder, StreamEncoder
+from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 
 N_CODES = 1 << 16
 LEVELS = 16

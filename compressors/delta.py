@@ -36,11 +36,11 @@ import torch
 
 from compressors.delta_predictors import PREDICTORS, DeltaPredictor, Predictor, make_predictor
 from compressors.residual import KINDS, ResidualCoder
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.checks import check_choice, check_range
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor, Section
 from kvbench.kv import Context, KVSequence
-from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 
 #: smallest per-channel step from ``bits=`` (float16's smallest normal number)
 MIN_STEP = 2.0**-14

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_choice
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.coding.bitstream import Bitstream
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 
 
 @dataclass

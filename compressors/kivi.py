@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_range
+from kvbench.coding.bitstream import Bitstream
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 
 
 def uniform_quantize(x: torch.Tensor, dim: int, bits: int, store: torch.dtype):

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_choice
-from kvbench.compressor import Compressor
+from kvbench.coding.bitstream import Bitstream
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder, ideal_bits_laplace
+from kvbench.compressor import Compressor
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
 
 CODERS = ("range", "lzma", "zlib")

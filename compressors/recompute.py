@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.checks import check_range
-from kvbench.compressor import Compressor
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder, ideal_bits_categorical
+from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
 from kvbench.timing import Stopwatch
 

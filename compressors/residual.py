@@ -41,9 +41,9 @@ import torch
 
 from compressors.delta_predictors import Predictor
 from kvbench.coding.bitstream import BitstreamError
-from kvbench.compressor import Section
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.float_coding import decode_values, encode_values
+from kvbench.compressor import Section
 from kvbench.kv import KVSequence
 
 KINDS = ("k", "v")

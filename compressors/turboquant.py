@@ -37,11 +37,11 @@ from compressors.qjl import QJLSketch
 from compressors.rotation import RandomizedHadamard, RandomOrthogonal, is_power_of_two, make_rotation
 from compressors.scalar_codes import dequantize_packed, quantize
 from compressors.sphere_codebook import codebook
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.checks import check_choice, check_range
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
 
 _NORM_DTYPE = {16: torch.float16, 32: torch.float32}
 _NORM_NUMPY = {16: np.float16, 32: np.float32}

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.checks import check_choice, check_range
 from kvbench.codec import decoder_for, state_bytes
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
 from kvbench.timing import Stopwatch

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvbench.assets import MODELS, AssetError, ensure_model
+from kvbench.assets import AssetError, ensure_model
 
 
 @dataclass

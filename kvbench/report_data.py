@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvbench.metrics.intervals import NLL_TOLERANCE
+
 # A run dir's summary file names its kind: compression cells (`run`), task accuracy (`eval`), end-to-end latency.
 SUMMARY_FILES = {"summary.json": "run", "eval.json": "eval", "latency.json": "latency"}
 # Files that mark a directory as a run, finished or not.
 RUN_FILES = (*SUMMARY_FILES, "rows.parquet", "eval.parquet", "latency.parquet")
 # Parameters that set a compressor's rate: points along one curve rather than separate curves.
 RATE_KNOBS = ("bits", "step")
-NLL_TOLERANCE = 0.01  # "at <= 1% NLL regression"
 
 
 @dataclass

@@ -13,18 +13,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.capture import cache_dtype, load_or_capture
 from kvbench.codec import Codec, prepare
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor, SetCompressor
 from kvbench.items import Item, Source
 from kvbench.kv import Context, KVSequence
 from kvbench.metrics.distortion import DistortionAccumulator
+from kvbench.metrics.intervals import NLL_TOLERANCE, block_bootstrap_ci, verdict
 from kvbench.metrics.rate import bound_bits_per_token, rate_summary
-from kvbench.metrics.task import continuation_nll
+from kvbench.metrics.task import continuation_nlls
 from kvbench.models import ModelHandle
 from kvbench.results import git_sha
 from kvbench.timing import Stopwatch
@@ -102,7 +104,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
 
     dist = DistortionAccumulator()
     lossless, n_tok, n_el = True, 0, 0
-    nll_base, nll_comp, n_eval = [], [], 0
+    nll_base, nll_comp = [], []  # per-token NLL arrays, one per scored item
     for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
                            disable=None):
         kv = it.kv
@@ -114,12 +116,10 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         n_tok += kv.n_tokens
         n_el += kv.n_elements
         if it.continuation is not None:
-            nll_base.append(continuation_nll(handle.model, kv.slice_tokens(0, it.score_from), it.continuation))
-            nll_comp.append(continuation_nll(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
-            n_eval += len(it.continuation) - 1
+            nll_base.append(continuation_nlls(handle.model, kv.slice_tokens(0, it.score_from), it.continuation))
+            nll_comp.append(continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
 
     baseline_mb = n_el * 2 / 1e6
-    mean = (lambda xs: sum(xs) / len(xs)) if nll_base else (lambda xs: math.nan)
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
@@ -140,10 +140,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "max_abs_err_v": dist.max_abs_err("v"),
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
-        "nll_base": mean(nll_base),
-        "nll_compressed": mean(nll_comp),
-        "delta_nll": mean(nll_comp) - mean(nll_base) if nll_base else math.nan,
-        "eval_tokens": n_eval,
+        **task_loss(nll_base, nll_comp, cfg.metrics),
         **source.fields,
         "dtype": cfg.dtype,
         "device": cfg.device,
@@ -156,6 +153,30 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     return summary, dist.rows()
 
 
+def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any) -> dict:
+    """Mean NLL with and without compression over every scored token, the paired difference with its 95%
+    block-bootstrap interval (:mod:`kvbench.metrics.intervals`), and the verdict against the 1% line."""
+    if not nll_base:
+        nan = math.nan
+        return {"nll_base": nan, "nll_compressed": nan, "delta_nll": nan, "delta_nll_ci": [nan, nan],
+                "nll_base_ci": [nan, nan], "eval_tokens": 0, "delta_nll_verdict_1pct": "unresolved"}
+    block, resamples, seed = int(metrics.ci_block), int(metrics.ci_resamples), int(metrics.ci_seed)
+    base, comp = np.concatenate(nll_base), np.concatenate(nll_comp)
+    diffs = [c - b for b, c in zip(nll_base, nll_comp)]
+    delta_ci = block_bootstrap_ci(diffs, block, resamples, seed)
+    nll_base_mean = float(base.mean())
+    return {
+        "nll_base": nll_base_mean,
+        "nll_compressed": float(comp.mean()),
+        "delta_nll": float(comp.mean() - nll_base_mean),
+        "delta_nll_ci": delta_ci,
+        "nll_base_ci": block_bootstrap_ci(nll_base, block, resamples, seed),
+        "eval_tokens": int(base.size),
+        "ci_block_tokens": block,
+        "delta_nll_verdict_1pct": verdict(delta_ci, NLL_TOLERANCE * nll_base_mean),
+    }
+
+
 def format_summary(s: dict) -> str:
     """A compact table for the terminal."""
     rows = [
@@ -166,8 +187,14 @@ def format_summary(s: dict) -> str:
         ("compression ratio", f"{s['compression_ratio']:.3f}x vs 16-bit"),
         ("lossless", str(s["lossless"])),
         ("rel MSE  K / V", f"{s['rel_mse_k']:.3e} / {s['rel_mse_v']:.3e}"),
-        ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  (delta {s['delta_nll']:+.4f} nats)"),
+        ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  over {s.get('eval_tokens', 0):,} tokens"),
+        ("delta NLL", _delta_text(s)),
         ("encode / decode", f"{s['encode_s']:.3f} s ({s['encode_MBps']:.0f} MB/s) / {s['decode_s']:.3f} s ({s['decode_MBps']:.0f} MB/s)"),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _delta_text(s: dict) -> str:
+    lo, hi = s.get("delta_nll_ci", [math.nan, math.nan])
+    return f"{s['delta_nll']:+.4f} nats, 95% CI [{lo:+.4f}, {hi:+.4f}]  ({s.get('delta_nll_verdict_1pct', '?')} 1% of base)"

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kvbench.coding.bitstream import Bitstream
 from kvbench.capture import load_or_capture
+from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import SetCompressor
 from kvbench.config import available, compose, make_compressor
 from kvbench.kv import Context

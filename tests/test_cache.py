@@ -12,12 +12,12 @@ from transformers import DynamicCache
 
 from compressors.identity import Identity
 from compressors.kivi import KIVI
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.cache import CompressedCache
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor
 from kvbench.config import available, compose, make_compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.codec import decoder_for, state_bytes
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.compressor import rebuild
 from kvbench.config import available, compose, make_compressor
 from kvbench.kv import Context

@@ -10,10 +10,10 @@ import torch
 
 from compressors.delta import Delta
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import rebuild
-from kvbench.config import compose, make_compressor
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.float_coding import decode_values, encode_values, from_codes, to_codes
+from kvbench.compressor import rebuild
+from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 
 FITTED = ["previous", "linear", "cross_layer"]

@@ -16,8 +16,8 @@ from compressors.lossless import (
     to_planes,
 )
 from kvbench.coding.bitstream import Bitstream
-from kvbench.config import compose, make_compressor
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
+from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 
 

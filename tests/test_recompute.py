@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 
 from compressors.recompute import NextTokenModel, Recompute, intra_op_threads
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.capture import capture_window
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 from kvbench.models import ModelHandle

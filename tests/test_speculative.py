@@ -10,8 +10,8 @@ import torch
 
 from compressors.delta import Delta
 from compressors.speculative import Speculative
-from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.codec import decoder_for, state_bytes
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 

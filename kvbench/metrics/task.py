@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbench.kv import KVSequence
@@ -23,10 +24,16 @@ def build_cache(model: Any, kv: KVSequence) -> Any:
 
 
 @torch.no_grad()
-def continuation_nll(model: Any, kv: KVSequence, continuation: torch.Tensor) -> float:
-    """Mean NLL (nats) of ``continuation[1:]`` given the prefix cache ``kv`` and ``continuation[:-1]``."""
+def continuation_nlls(model: Any, kv: KVSequence, continuation: torch.Tensor) -> np.ndarray:
+    """Per-token NLL (nats), ``(E,)``, of ``continuation[1:]`` given the prefix cache ``kv`` and
+    ``continuation[:-1]``: the unit that paired intervals resample."""
     device = next(model.parameters()).device
     ids = continuation.to(device)
     out = model(ids[:-1].unsqueeze(0), cache=build_cache(model, kv), use_cache=True)
-    logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # (E, V)
-    return float(-logp.gather(1, ids[1:, None]).mean())
+    nll = torch.nn.functional.cross_entropy(out.logits[0].float(), ids[1:], reduction="none")  # (E,)
+    return nll.double().cpu().numpy()
+
+
+def continuation_nll(model: Any, kv: KVSequence, continuation: torch.Tensor) -> float:
+    """Mean NLL (nats) of ``continuation[1:]`` given the prefix cache ``kv`` and ``continuation[:-1]``."""
+    return float(continuation_nlls(model, kv, continuation).mean())

@@ -1,0 +1,79 @@
+"""Paired intervals for task loss: coverage of the truth, width against theory, correlated tokens, verdicts."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvbench.metrics.intervals import block_bootstrap_ci, minimum_detectable_effect, verdict
+
+
+def test_iid_interval_matches_the_normal_theory():
+    rng = np.random.default_rng(0)
+    windows = [rng.normal(0.05, 1.0, 512) for _ in range(4)]  # 2,048 independent tokens
+    low, high = block_bootstrap_ci(windows, block=32, resamples=4000)
+    pooled = np.concatenate(windows)
+    half = 1.959964 * pooled.std(ddof=1) / math.sqrt(pooled.size)
+    assert low < pooled.mean() < high
+    assert (high - low) / 2 == pytest.approx(half, rel=0.1)
+
+
+def test_block_correlated_tokens_widen_the_interval():
+    # a shared offset per 32-token block: 64 effective draws, not 2,048
+    rng = np.random.default_rng(1)
+    windows = [np.repeat(rng.normal(0, 1, 16), 32) + rng.normal(0, 0.1, 512) for _ in range(4)]
+    blocked = block_bootstrap_ci(windows, block=32)
+    token_wise = block_bootstrap_ci(windows, block=1)
+    assert (blocked[1] - blocked[0]) > 4 * (token_wise[1] - token_wise[0])
+
+
+def test_coverage_is_near_nominal():
+    rng = np.random.default_rng(2)
+    hits = 0
+    for _ in range(200):
+        windows = [rng.laplace(0.02, 0.5, 256) for _ in range(4)]
+        low, high = block_bootstrap_ci(windows, block=16, resamples=500, seed=int(rng.integers(1 << 30)))
+        hits += low <= 0.02 <= high
+    assert 0.9 <= hits / 200 <= 0.99
+
+
+def test_identical_sides_give_a_zero_interval_and_blocks_never_cross_windows():
+    assert block_bootstrap_ci([np.zeros(100), np.zeros(37)], block=32) == [0.0, 0.0]
+    # a window shorter than a block is one unit of its own size
+    low, high = block_bootstrap_ci([np.ones(5), np.zeros(5)], block=32, resamples=500)
+    assert 0.0 <= low <= high <= 1.0
+
+
+def test_too_few_units_give_nan_and_bad_settings_are_refused():
+    assert all(math.isnan(x) for x in block_bootstrap_ci([np.ones(10)], block=32))
+    with pytest.raises(ValueError, match="block >= 1"):
+        block_bootstrap_ci([np.ones(10)], block=0)
+
+
+def test_verdicts_are_decided_on_the_interval():
+    assert verdict([0.001, 0.02], 0.03) == "within"
+    assert verdict([0.031, 0.05], 0.03) == "not within"
+    assert verdict([0.02, 0.04], 0.03) == "unresolved"
+    assert verdict([math.nan, math.nan], 0.03) == "unresolved"
+
+
+def test_minimum_detectable_effect_is_2_8_standard_errors():
+    rng = np.random.default_rng(3)
+    windows = [rng.normal(0, 1.0, 512) for _ in range(4)]
+    se = np.concatenate(windows).std(ddof=1) / math.sqrt(2048)
+    assert minimum_detectable_effect(windows, block=32, resamples=4000) == pytest.approx(2.8016 * se, rel=0.12)
+
+
+def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
+    from kvbench.config import make_compressor
+    from kvbench.runner import measure
+
+    cfg = tiny_cfg("+compressor=kivi", "compressor.residual=0", "compressor.bits=2", "dataset.eval_len=48")
+    s, _ = measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    low, high = s["delta_nll_ci"]
+    assert low <= s["delta_nll"] <= high and low < high
+    assert s["eval_tokens"] == 2 * 48 and s["nll_base_ci"][0] <= s["nll_base"] <= s["nll_base_ci"][1]
+    assert s["delta_nll_verdict_1pct"] in ("within", "not within", "unresolved")
+    exact = tiny_cfg("+compressor=identity", "dataset.eval_len=48")
+    e, _ = measure(exact, make_compressor(exact.compressor), tiny_handle)
+    assert e["delta_nll"] == 0.0 and e["delta_nll_ci"] == [0.0, 0.0] and e["delta_nll_verdict_1pct"] == "within"

@@ -185,6 +185,7 @@ class CompressedCache(Cache):
         if compressor is not None and compressor.needs_model and self.model_ref is None:
             raise ValueError(f"compressor {compressor.name!r} decodes with the model: pass model= to CompressedCache")
         config = config if config is not None else getattr(module, "config", None)
+        self.model_config = config
         if config is None:
             raise ValueError("CompressedCache needs model= or config= to know the number of layers")
         text = config.get_text_config(decoder=True)
@@ -341,7 +342,7 @@ class CompressedCache(Cache):
     def _context(self, start: int, n: int) -> Context:
         L = len(self.layers)
         _, H, _, D = self.layers[0].window_k.shape
-        return Context(L, H, n, D, self.dtype, self.model_ref, {"start": start})
+        return Context(L, H, n, D, self.dtype, self.model_ref, config=self.model_config, start=start)
 
     def _decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every segment decoded from its bytes alone, concatenated: ``(L, H, Tc, D)`` each, storage dtype."""

@@ -32,6 +32,8 @@ class Compressor(abc.ABC):
     lossless: ClassVar[bool] = False
     #: True when the decoder needs ``ctx.model`` (the harness then loads the model)
     needs_model: ClassVar[bool] = False
+    #: True when encoder and decoder need ``ctx.config``, the model's config (e.g. to undo RoPE)
+    needs_config: ClassVar[bool] = False
 
     def fit(self, calib: Sequence[KVSequence]) -> None:
         """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones)."""

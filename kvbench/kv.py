@@ -65,11 +65,15 @@ def first_kv_mismatch(a: KVSequence, b: KVSequence, n: int) -> int:
 
 @dataclass
 class Context:
-    """What the decoder is given for free: shapes, dtype and the model.
+    """What the decoder is given for free: shapes, dtype, positions and the model.
 
     Everything else a decoder reads must come out of the bitstream, where the harness counts it.
     ``model`` is a lazy handle (``kvbench.models.ModelHandle``) for compressors that recompute KV from tokens;
-    the weights are free because every party that holds a KV cache already holds the model that made it.
+    the weights are free because every party that holds a KV cache already holds the model that made it. For the
+    same reason ``config`` (the model's transformers config: RoPE, layer types) is free; the harness fills it for
+    compressors that declare ``needs_config``. ``start`` is the position of the first token (a segment of a longer
+    sequence starts later). ``extras`` is encoder-side information only (e.g. token log-probs for a PLT), never
+    handed to a decoder.
     """
 
     n_layers: int
@@ -79,11 +83,13 @@ class Context:
     dtype: torch.dtype
     model: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
+    config: Any = None
+    start: int = 0
 
     @classmethod
-    def for_kv(cls, kv: KVSequence, model: Any = None) -> Context:
+    def for_kv(cls, kv: KVSequence, model: Any = None, config: Any = None, start: int = 0) -> Context:
         L, H, T, D = kv.shape
-        return cls(L, H, T, D, kv.k.dtype, model)
+        return cls(L, H, T, D, kv.k.dtype, model, config=config, start=start)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

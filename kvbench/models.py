@@ -83,6 +83,15 @@ class ModelHandle:
         return self._model
 
     @property
+    def config(self) -> Any:
+        """The model's transformers config, read without loading the weights when they are not in memory."""
+        if self._model is not None:
+            return self._model.config
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(resolve_model_dir(self.cfg))
+
+    @property
     def tokenizer(self) -> Any:
         if self._tok is None:
             self._load()

@@ -91,16 +91,17 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         source = trace_source(cfg, handle)
     dtype = cache_dtype(cfg.dtype)
     model_ref = handle if compressor.needs_model else None
+    config = handle.config if compressor.needs_config else None
 
     codec = prepare(compressor, source.calib, cfg.device)
     kvs = [it.kv for it in source.items]
     enc_ctxs = []
     for it in source.items:
-        ctx = Context.for_kv(it.kv, model_ref)
+        ctx = Context.for_kv(it.kv, model_ref, config)
         ctx.extras.update(it.extras)
         enc_ctxs.append(ctx)
     enc, dec = Stopwatch(cfg.device), Stopwatch(cfg.device)
-    outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref) for kv in kvs], enc, dec)
+    outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref, config) for kv in kvs], enc, dec)
 
     dist = DistortionAccumulator()
     lossless, n_tok, n_el = True, 0, 0

@@ -201,7 +201,7 @@ def _refusal(comp: Compressor, model, ids: torch.Tensor) -> str | None:
         pre = model(ids, cache=DynamicCache(), use_cache=True).cache
     k = torch.cat([layer.keys for layer in pre.layers]).to(torch.float16)  # (L, H, T, D)
     v = torch.cat([layer.values for layer in pre.layers]).to(torch.float16)  # (L, H, T, D)
-    ctx = Context(*k.shape, torch.float16, SimpleNamespace(model=model, tokenizer=None), {"start": 0})
+    ctx = Context(*k.shape, torch.float16, SimpleNamespace(model=model, tokenizer=None))
     try:
         comp.encode(KVSequence(k, v, ids[0]), ctx)
     except BitstreamError:

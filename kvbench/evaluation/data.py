@@ -7,6 +7,7 @@
   tokens (the retrieval test of Mohtashami & Jaggi, arXiv 2305.16300), asked for at the end.
 * ``sotu_lastword``: LAMBADA-style (Paperno et al., arXiv 1606.06031) last-word prediction on State of the Union
   passages: the context is a passage up to a sentence's last word, the target is that word.
+* ``ruler_*``: RULER-style synthetic tasks, built by :mod:`kvbench.evaluation.ruler` with the helpers here.
 
 Files land under ``$KVBENCH_HOME/data/tasks`` keyed by their parameters (and the tokenizer, for the token-counted
 ones), so two runs with the same settings read the same examples.
@@ -39,13 +40,45 @@ def tasks_dir() -> Path:
     return home() / "data" / "tasks"
 
 
-def _keyed(name: str, params: dict) -> Path:
+def keyed_path(name: str, params: dict) -> Path:
+    """The data file of task ``name`` built with ``params`` (a short hash of them in the file name)."""
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     return tasks_dir() / f"{name}-{digest}.jsonl"
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as JSON lines, written atomically (a reader never sees half a file)."""
     write_bytes(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+    return path
+
+
+class TaskDataError(ValueError):
+    """A task data file that is missing or cannot be read as the task's rows."""
+
+
+def check_jsonl(path: Path, fields: tuple[str, ...], rebuild: str) -> Path:
+    """``path`` if it holds at least one JSON object per line, each with ``fields``; else :class:`TaskDataError`
+    naming the file, the first bad line, and ``rebuild`` (how to build the file again).
+
+    lm-eval's loader would otherwise fail deep inside ``datasets`` with a message that names neither.
+    """
+    if not path.is_file():
+        raise TaskDataError(f"task data file {path} is missing; {rebuild}")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not any(line.strip() for line in lines):
+        raise TaskDataError(f"task data file {path} is empty; {rebuild}")
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskDataError(f"task data file {path}, line {n}: not JSON ({e.msg}); {rebuild}") from None
+        if not isinstance(row, dict):
+            raise TaskDataError(f"task data file {path}, line {n}: a row must be a JSON object, got "
+                                f"{type(row).__name__}; {rebuild}")
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise TaskDataError(f"task data file {path}, line {n}: missing field(s) {missing} (every row needs "
+                                f"{list(fields)}); {rebuild}")
     return path
 
 
@@ -73,27 +106,34 @@ def bigbench_data(task: str, pool: int, seed: int) -> Path:
     """A seeded sample of ``pool`` formatted examples of a BIG-bench task."""
     if task not in BIGBENCH_TASKS:
         raise ValueError(f"unknown BIG-bench task {task!r}; available: {list(BIGBENCH_TASKS)}")
-    out = _keyed(f"bigbench_{task}", {"task": task, "pool": pool, "seed": seed, "v": 1})
+    out = keyed_path(f"bigbench_{task}", {"task": task, "pool": pool, "seed": seed, "v": 1})
     if out.exists():
         return out
     spec = json.loads((ensure_bigbench() / task / "task.json").read_text(encoding="utf-8"))
     rows = [r for r in (format_bigbench(spec, ex) for ex in spec["examples"]) if r is not None]
     order = np.random.default_rng(seed).permutation(len(rows))[:pool]
-    return _write_jsonl(out, [rows[i] | {"id": int(i)} for i in order])
+    return write_jsonl(out, [rows[i] | {"id": int(i)} for i in order])
 
 
 def _sotu() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in sorted(ensure_text("sotu").glob("*.txt"))]
 
 
-def _tok_id(tokenizer: Any) -> str:
-    return f"{getattr(tokenizer, 'name_or_path', '')}|{len(tokenizer)}"
+def sotu_texts() -> list[str]:
+    """The State of the Union addresses, one string each, in file order."""
+    return _sotu()
+
+
+def tokenizer_id(tokenizer: Any) -> str:
+    """What keys a token-counted data file to its tokenizer (a stand-in without ``len`` keys by its class)."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else type(tokenizer).__qualname__
+    return f"{getattr(tokenizer, 'name_or_path', '')}|{size}"
 
 
 def passkey_data(tokenizer: Any, length: int, depths: list[float], per_depth: int, seed: int) -> Path:
     """Passkey examples of ``length`` tokens in all: ``per_depth`` per depth, interleaved so a limit keeps every depth."""
-    params = {"length": length, "depths": list(depths), "per_depth": per_depth, "seed": seed, "tok": _tok_id(tokenizer), "v": 1}
-    out = _keyed(f"passkey_{length}", params)
+    params = {"length": length, "depths": list(depths), "per_depth": per_depth, "seed": seed, "tok": tokenizer_id(tokenizer), "v": 1}
+    out = keyed_path(f"passkey_{length}", params)
     if out.exists():
         return out
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids
@@ -110,7 +150,7 @@ def passkey_data(tokenizer: Any, length: int, depths: list[float], per_depth: in
                     + tokenizer.decode(hay[cut:]).strip() + PASSKEY_QUESTION)
             rows.append({"context": text, "passkey": str(key), "length": length, "depth": depth,
                          "n_tokens": len(enc(text)), "id": len(rows)})
-    return _write_jsonl(out, rows)
+    return write_jsonl(out, rows)
 
 
 def _haystack(docs: list[str], enc, n: int, rng: np.random.Generator) -> list[int]:
@@ -133,8 +173,8 @@ _LAST_WORD = re.compile(r"(?<=[\s])([A-Za-z]{3,})\.(?=\s)")
 
 def lastword_data(tokenizer: Any, n: int, context_tokens: int, seed: int) -> Path:
     """``n`` passages of about ``context_tokens`` tokens, each ending just before a sentence's last word."""
-    params = {"n": n, "context_tokens": context_tokens, "seed": seed, "tok": _tok_id(tokenizer), "v": 1}
-    out = _keyed("sotu_lastword", params)
+    params = {"n": n, "context_tokens": context_tokens, "seed": seed, "tok": tokenizer_id(tokenizer), "v": 1}
+    out = keyed_path("sotu_lastword", params)
     if out.exists():
         return out
     docs = _sotu()
@@ -155,4 +195,4 @@ def lastword_data(tokenizer: Any, n: int, context_tokens: int, seed: int) -> Pat
     if len(rows) < n:
         raise ValueError(f"only {len(rows)} State of the Union addresses are long enough for {context_tokens}-token "
                          f"passages; lower lastword.n or lastword.context_tokens")
-    return _write_jsonl(out, rows)
+    return write_jsonl(out, rows)

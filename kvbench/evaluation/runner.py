@@ -13,6 +13,7 @@ import torch
 from kvbench.capture import cache_dtype, calib_windows
 from kvbench.codec import prepare
 from kvbench.compressor import Compressor
+from kvbench.evaluation import ruler
 from kvbench.evaluation.lm import CompressedKVLM
 from kvbench.evaluation.stats import paired_binary
 from kvbench.evaluation.tasks import task_specs
@@ -21,6 +22,13 @@ from kvbench.results import git_sha
 
 # the per-example metric each task is judged by, and the lm-eval filter it comes out of
 PRIMARY = {"generate_until": ("exact_match", "first_number"), "multiple_choice": ("acc", "none"), "loglikelihood": ("acc", "none")}
+# RULER tasks score generations with their own string match (a fraction of the expected values found)
+PRIMARY_RULER = (ruler.METRIC, "none")
+
+
+def primary(spec: dict) -> tuple[str, str]:
+    """The ``(metric, filter)`` a task's per-example scores are read from."""
+    return PRIMARY_RULER if spec["task"].startswith(ruler.PREFIX) else PRIMARY[spec["output_type"]]
 
 
 def _quiet_lm_eval() -> None:
@@ -56,7 +64,7 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
     rows, per_task = [], {}
     for spec in specs:
         name = spec["task"]
-        metric, filt = PRIMARY[spec["output_type"]]
+        metric, filt = primary(spec)
         b_samples = {s["doc_id"]: s for s in base["samples"][name] if s["filter"] == filt}
         c_samples = {s["doc_id"]: s for s in comp["samples"][name] if s["filter"] == filt}
         ids = sorted(b_samples)

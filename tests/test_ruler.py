@@ -1,0 +1,162 @@
+"""RULER-style tasks: deterministic data of the asked length with every answer in it, the string-match scorer, the
+task group, and errors for unreadable data files (byte-level tokenizer, fake State of the Union text)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.evaluation import data, ruler
+from kvbench.evaluation.runner import primary
+from kvbench.evaluation.tasks import TASKS, task_specs
+
+LENGTH = 2560  # bytes: the byte-level tokenizer needs ~1,900 for the longest instructions and worked example
+
+
+@pytest.fixture()
+def home(monkeypatch, tmp_path):
+    """An empty ``$KVBENCH_HOME`` and a fake State of the Union: sentences of ~800 distinct words."""
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+    words = sorted({"".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 6)) for _ in range(800)})
+    docs = []
+    for _ in range(4):
+        sentences = [" ".join(rng.choice(words, 9)).capitalize() + "." for _ in range(150)]
+        docs.append(" ".join(sentences))
+    monkeypatch.setattr(data, "_sotu", lambda: docs)
+    monkeypatch.setattr(ruler, "_COMMON", 1)
+    return tmp_path
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _cfg(**ruler_cfg) -> OmegaConf:
+    return OmegaConf.create({"seed": 0, "model": {"name": "tiny"},
+                             "ruler": {"lengths": [LENGTH], "per_length": 2, "max_gen_toks": None, **ruler_cfg}})
+
+
+@pytest.mark.parametrize("family", list(ruler.FAMILIES))
+def test_every_family_is_deterministic_of_the_asked_length_and_holds_its_answers(family, home, tokenizer):
+    path = ruler.ruler_data(tokenizer, family, LENGTH, 3, seed=0)
+    first = path.read_bytes()
+    path.unlink()
+    assert ruler.ruler_data(tokenizer, family, LENGTH, 3, seed=0) == path and path.read_bytes() == first  # same seed, same bytes
+    other = ruler.ruler_data(tokenizer, family, LENGTH, 3, seed=1)
+    assert other != path and other.read_bytes() != first
+    rows = _rows(path)
+    assert [r["id"] for r in rows] == [0, 1, 2] and len({r["context"] for r in rows}) == 3
+    for r in rows:
+        n = len(tokenizer(r["context"]).input_ids)
+        assert n == r["n_tokens"] and LENGTH - 8 <= n <= LENGTH  # within a few tokens, never over
+        assert r["answers"] and r["length"] == LENGTH
+        task = r["context"].rsplit("\n\n", 1)[-1]  # the asked task, after the worked example
+        for a in r["answers"]:
+            assert a in task, f"{a!r} is not in the context of {family}"
+        assert ruler.string_match(" ".join(r["answers"]), r["answers"]) == 1.0
+
+
+def test_needles_sit_at_their_depths_and_chains_in_order(home, tokenizer):
+    (r, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_niah_multivalue", 4096, 1, seed=0))
+    task = r["context"].rsplit("\n\n", 1)[-1]
+    at = sorted(task.index(f"for {r['query'][0]} is: {v}.") / len(task) for v in r["answers"])
+    assert np.allclose(at, sorted(r["depths"]), atol=0.08)
+    (vt, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_vt", 4096, 1, seed=0))
+    task = vt["context"].rsplit("\n\n", 1)[-1]
+    first, *rest = vt["answers"]
+    assert f"VAR {first} = {vt['query'][0]}." in task
+    pos = [task.index(f"VAR {b} = VAR {a}.") for a, b in zip(vt["answers"], rest)]
+    assert pos == sorted(pos)  # each variable is bound before it is read
+
+
+def test_aggregation_answers_are_the_most_frequent(home, tokenizer):
+    (cwe, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_cwe", 3000, 1, seed=0))
+    listed = re.findall(r"\d+\. ([a-z]+)", cwe["context"].rsplit("\n\n", 1)[-1].split("\nQuestion")[0])
+    counts = {w: listed.count(w) for w in set(listed)}
+    assert all(counts[a] == 6 for a in cwe["answers"]) and len(cwe["answers"]) == 10
+    assert max(c for w, c in counts.items() if w not in cwe["answers"]) == 1
+    (fwe, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_fwe", 3000, 1, seed=0))
+    stream = fwe["context"].rsplit("\n\n", 1)[-1].split("coded words. ", 1)[1].split("\nQuestion")[0].split()
+    top = sorted({w for w in stream if w != "..."}, key=stream.count, reverse=True)
+    assert top[:3] == fwe["answers"] and stream.count(top[2]) > stream.count(top[3])
+
+
+def test_string_match_scores_the_fraction_of_answers_found():
+    answers = ["1234567", "7654321", "Tall-Tiger", "abcdef"]
+    assert ruler.string_match(" 1234567, 7654321, tall-tiger and ABCDEF.", answers) == 1.0
+    assert ruler.string_match(" 1234567 and 7654321", answers) == 0.5
+    assert ruler.string_match(" I do not know", answers) == 0.0
+    assert ruler.string_match("\x00tall-tiger", ["tall-tiger"]) == 1.0
+    assert ruler.process_results({"answers": answers}, [" 7654321"]) == {ruler.METRIC: 0.25}
+    with pytest.raises(ValueError, match="at least one"):
+        ruler.string_match("x", [])
+
+
+def test_the_group_expands_to_every_family_and_length(home, tokenizer):
+    assert "ruler" in TASKS and all(name.startswith("ruler_") for name in ruler.FAMILIES)
+    specs = task_specs(["ruler"], _cfg(lengths=[LENGTH, 3000], per_length=1), tokenizer)
+    names = [s["task"] for s in specs]
+    assert len(names) == 2 * len(ruler.FAMILIES) >= 8 * 2 and len(set(names)) == len(names)
+    assert all(n.startswith("ruler_") for n in names)
+    assert "ruler_vt_2560" in names and "ruler_cwe_3000" in names
+    for s in specs:
+        assert primary(s) == (ruler.METRIC, "none") and s["process_results"] is ruler.process_results
+    budgets = {s["task"]: s["generation_kwargs"]["max_gen_toks"] for s in specs}
+    assert budgets["ruler_niah_single_uuid_noise_2560"] > budgets["ruler_niah_single_number_noise_2560"]
+    one = task_specs(["ruler_vt", "ruler", "ruler_vt"], _cfg(max_gen_toks=5, per_length=1), tokenizer)
+    assert [s["task"] for s in one][0] == "ruler_vt_2560" and len(one) == len(ruler.FAMILIES)
+    assert {s["generation_kwargs"]["max_gen_toks"] for s in one} == {5}
+    lengths = task_specs(["ruler_fwe"], _cfg(lengths=[3072, 4096]), tokenizer)
+    assert [s["task"] for s in lengths] == ["ruler_fwe_3k", "ruler_fwe_4k"]
+
+
+def test_a_length_too_short_for_the_prompt_says_so(home, tokenizer):
+    with pytest.raises(ValueError, match=r"ruler_cwe at 256 tokens.*choose a ruler.lengths entry above"):
+        ruler.ruler_data(tokenizer, "ruler_cwe", 256, 1, seed=0)
+    with pytest.raises(ValueError, match="unknown RULER task 'ruler_bogus'"):
+        ruler.ruler_data(tokenizer, "ruler_bogus", LENGTH, 1, seed=0)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: p.write_text('{"context": "x", "answers": ["1"], "length": 256}\n{"context": "y", oops\n'), "line 2: not JSON"),
+    (lambda p: p.write_text('{"context": "x", "length": 256}\n'), r"line 1: missing field\(s\) \['answers'\]"),
+    (lambda p: p.write_text("[1, 2]\n"), "must be a JSON object"),
+    (lambda p: p.write_text(""), "is empty"),
+])
+def test_a_malformed_data_file_names_itself_and_the_command_that_rebuilds_it(damage, message, home, tokenizer):
+    (spec,) = task_specs(["ruler_vt"], _cfg(), tokenizer)
+    path = spec["dataset_kwargs"]["data_files"]["test"]
+    damage(type(home)(path))
+    with pytest.raises(data.TaskDataError, match=message) as err:
+        task_specs(["ruler_vt"], _cfg(), tokenizer)
+    assert path in str(err.value)
+    assert ("delete it and rerun `python -m kvbench eval +compressor=identity model=tiny tasks=[ruler_vt] "
+            f"ruler.lengths=[{LENGTH}] ruler.per_length=2 seed=0 limit=1`") in str(err.value)
+
+
+def test_a_missing_data_file_names_itself_and_the_command_for_existing_tasks(tmp_path):
+    with pytest.raises(data.TaskDataError, match=r"gone\.jsonl is missing; delete it and rerun `python -m kvbench eval"):
+        data.check_jsonl(tmp_path / "gone.jsonl", ("context",), "delete it and rerun `python -m kvbench eval tasks=[passkey]`")
+    bad = tmp_path / "passkey.jsonl"
+    bad.write_text('{"context": "x"}\n')
+    with pytest.raises(data.TaskDataError, match=r"missing field\(s\) \['passkey'\]"):
+        data.check_jsonl(bad, ("context", "passkey"), "rebuild")
+
+
+@pytest.mark.integration
+def test_ruler_eval_cli_on_smollm2(tmp_path):
+    """Two RULER tasks end to end on the real model: identity reproduces every baseline generation."""
+    from kvbench.__main__ import main
+
+    assert main(["eval", "+compressor=identity", "tasks=[ruler_niah_single_number_noise,ruler_vt]", "ruler.lengths=[1024]",
+                 "limit=2", f"paths.results={tmp_path}"]) == 0
+    (summary_file,) = tmp_path.glob("runs/eval-identity-*/eval.json")
+    s = json.loads(summary_file.read_text())
+    assert set(s["tasks"]) == {"ruler_niah_single_number_noise_1k", "ruler_vt_1k"}
+    for t in s["tasks"].values():
+        assert t["metric"] == ruler.METRIC and t["n"] == 2 and t["identical"] and t["identical_responses"] == 2

@@ -24,6 +24,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
 
 from kvbench.cache import CompressedCache
 from kvbench.compressor import Compressor
@@ -31,6 +32,27 @@ from kvbench.compressor import Compressor
 
 def _gen_key(context: str, gen_kwargs: dict) -> tuple:
     return ("gen", context, json.dumps(gen_kwargs, sort_keys=True, default=str))
+
+
+def _bar(iterable: Any = None, **kw: Any) -> tqdm:
+    # disable=None: drawn on a terminal, silent in logs and pipes
+    return tqdm(iterable, leave=False, disable=None, **kw)
+
+
+class _TokenBar(BaseStreamer):
+    """A progress bar over one ``generate`` call's new tokens; it shows only if the call runs past ``delay`` seconds."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.bar = _bar(total=total, desc=desc, unit="tok", delay=1.0)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:  # generate() hands over the prompt first
+            self.bar.update(int(value.numel()))
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.close()
 
 
 class CompressedKVLM(LM):
@@ -116,7 +138,7 @@ class CompressedKVLM(LM):
                 raise ValueError(f"empty continuation after tokenization for request {req.args!r}")
             groups[tuple(self._truncate(ctx, len(cont)))].append((i, req.args, cont))
         out: list[Any] = [None] * len(requests)
-        for ctx, items in tqdm(groups.items(), desc="loglikelihood", disable=not self.progress, leave=False):
+        for ctx, items in (_bar(groups.items(), desc="loglikelihood") if self.progress else groups.items()):
             prefix, last = list(ctx[:-1]), ctx[-1]
             prefill = self._prefill(prefix)
             comp, base = self._load(self.compressor, prefill, prefix), self._load(None, prefill, prefix)
@@ -132,7 +154,7 @@ class CompressedKVLM(LM):
     @torch.no_grad()
     def generate_until(self, requests) -> list[str]:
         out = []
-        for req in tqdm(requests, desc="generate_until", disable=not self.progress, leave=False):
+        for req in (_bar(requests, desc="generate_until") if self.progress else requests):
             context, gen_kwargs = req.args
             gen_kwargs = dict(gen_kwargs or {})
             until = gen_kwargs.get("until") or [self.tok.decode([self.eos])]
@@ -143,16 +165,17 @@ class CompressedKVLM(LM):
             texts = []
             for compressor in (self.compressor, None):
                 cache = self._load(compressor, prefill, ctx[:-1])
-                texts.append(self._generate(cache, ctx, max_new, until))
+                texts.append(self._generate(cache, ctx, max_new, until, "compressed" if compressor is not None else "baseline"))
             out.append(texts[0])
             self.baseline[_gen_key(context, req.args[1])] = texts[1]
         return out
 
-    def _generate(self, cache: CompressedCache, ctx: list[int], max_new: int, until: list[str]) -> str:
+    def _generate(self, cache: CompressedCache, ctx: list[int], max_new: int, until: list[str], desc: str = "generate") -> str:
         ids = torch.tensor([ctx], device=self._device)
         before = cache.stats()["decode_s"]
         gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new,
-                                  do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=self.eos)
+                                  do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=self.eos,
+                                  streamer=_TokenBar(max_new, desc) if self.progress else None)
         if cache.compressor is not None:
             self.accounting["decode_s"] += cache.stats()["decode_s"] - before
             self.accounting["generated_tokens"] += gen.shape[1] - len(ctx)

@@ -9,12 +9,18 @@ from one side to the other.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvbench.atomic import write_bytes
 from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor, fits, rebuild
 from kvbench.kv import KVSequence
+from kvbench.paths import home
+from kvbench.results import git_sha
 from kvbench.timing import Stopwatch
 
 
@@ -48,6 +54,7 @@ class Codec:
     decoder: Compressor
     state: bytes
     fit_s: float
+    cached: bool = False  # the state was fitted by an earlier run on the same calibration set
 
     @property
     def codec_bits(self) -> int:
@@ -62,12 +69,35 @@ class Codec:
         return out
 
 
-def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], device: str = "cpu") -> Codec:
-    """Fit ``compressor`` on ``calib()`` (read only when it learns anything) and rebuild its decoder from bytes."""
+def state_cache_path(compressor: Compressor, calib_id: str) -> Path | None:
+    """Where the fitted state of ``compressor`` on the calibration set ``calib_id`` is kept, so that a sweep fits
+    each (model, data, compressor) once; None when the code version is not a commit (a dirty tree could fit
+    differently from the one that wrote the file)."""
+    sha = git_sha()
+    if sha.endswith("-dirty") or sha == "unknown":
+        return None
+    blob = json.dumps([calib_id, compressor.describe(), sha], sort_keys=True, default=str)
+    return home() / "codecs" / f"{compressor.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.state"
+
+
+def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], device: str = "cpu",
+            cache: Path | None = None) -> Codec:
+    """Fit ``compressor`` on ``calib()`` (read only when it learns anything) and rebuild its decoder from bytes.
+
+    With ``cache`` (see :func:`state_cache_path`), state fitted earlier on the same calibration set is loaded from
+    that file instead (``fit_s`` is then 0 and the encoder, too, is rebuilt from the bytes), and a fresh fit is
+    written there atomically.
+    """
     watch = Stopwatch(device)
-    if fits(compressor):
-        windows = list(calib())
-        with watch():
-            compressor.fit(windows)
+    if not fits(compressor):
+        return Codec(compressor, decoder_for(compressor, state_bytes(compressor)), state_bytes(compressor), 0.0)
+    if cache is not None and cache.exists():
+        state = cache.read_bytes()
+        return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True)
+    windows = list(calib())
+    with watch():
+        compressor.fit(windows)
     state = state_bytes(compressor)
+    if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
+        write_bytes(cache, state)
     return Codec(compressor, decoder_for(compressor, state), state, watch.seconds)

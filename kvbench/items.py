@@ -33,3 +33,4 @@ class Source:
     items: list[Item]
     calib: Callable[[], Sequence[KVSequence]]
     fields: dict[str, Any]
+    calib_id: str = ""  # names the calibration set, for the fitted-state cache

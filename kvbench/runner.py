@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvbench.capture import cache_dtype, load_or_capture
-from kvbench.codec import Codec, prepare
+from kvbench.codec import Codec, prepare, state_cache_path
 from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor, SetCompressor
 from kvbench.items import Item, Source
@@ -43,7 +43,7 @@ def trace_source(cfg: Any, handle: ModelHandle) -> Source:
     lp = torch.cat([s.logprobs for s in ev])
     fields = {"bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
               "trace": str(trace.path), "trace_captured": trace.captured}
-    return Source(items, lambda: [s.kv for s in trace.calib], fields)
+    return Source(items, lambda: [s.kv for s in trace.calib], fields, str(trace.path))
 
 
 def _part_totals(parts: dict[str, int]) -> dict[str, int]:
@@ -93,7 +93,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     model_ref = handle if compressor.needs_model else None
     config = handle.config if compressor.needs_config else None
 
-    codec = prepare(compressor, source.calib, cfg.device)
+    codec = prepare(compressor, source.calib, cfg.device, state_cache_path(compressor, source.calib_id))
     kvs = [it.kv for it in source.items]
     enc_ctxs = []
     for it in source.items:
@@ -133,6 +133,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "encode_s": enc.seconds,
         "decode_s": dec.seconds,
         "fit_s": codec.fit_s,
+        "fit_cached": codec.cached,
         "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
         "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
         "rel_mse_k": dist.rel_mse("k"),

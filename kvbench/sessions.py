@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kvbench.capture import cache_dtype, capture_window, load_or_capture
+from kvbench.capture import cache_dtype, capture_window, default_trace_dir, load_or_capture
 from kvbench.compressor import Compressor, SetCompressor
 from kvbench.data import load_documents
 from kvbench.items import Item, Source
@@ -143,4 +143,5 @@ def workload_source(cfg: Any, handle: ModelHandle, compressor: Compressor) -> So
         "sessions_captured": fresh,
         "capture_s": capture_s,
     }
-    return Source(items, lambda: [s.kv for s in load_or_capture(cfg, handle).calib], fields)
+    return Source(items, lambda: [s.kv for s in load_or_capture(cfg, handle).calib], fields,
+                  str(default_trace_dir(cfg) if not cfg.trace else cfg.trace))

@@ -72,3 +72,27 @@ def test_resume_values_are_checked():
 def test_newest_per_cell_keeps_one_run_per_key():
     runs = [{"cell_key": "a", "created": "1"}, {"cell_key": "b", "created": "1"}, {"cell_key": "a", "created": "2"}]
     assert [r["created"] for r in results.newest_per_cell(runs)] == ["2", "1"]
+
+
+def test_fitted_state_is_cached_per_calibration_set_and_decodes_the_same(random_kv, tmp_path):
+    import torch
+
+    from compressors.delta import Delta
+    from kvbench.codec import prepare
+    from kvbench.kv import Context
+
+    calib = [random_kv(seed=3)]
+    kv = random_kv(seed=4)
+    cache = tmp_path / "codecs" / "delta.state"
+    first = prepare(Delta(predictor="linear"), lambda: calib, cache=cache)
+    assert cache.exists() and not first.cached and first.codec_bits > 0
+
+    def no_calibration():
+        raise AssertionError("a cached state must not read the calibration windows")
+
+    again = prepare(Delta(predictor="linear"), no_calibration, cache=cache)
+    assert again.cached and again.state == first.state and again.fit_s == 0.0
+    ctx = Context.for_kv(kv)
+    a = first.decoder.decode(first.encoder.encode(kv, ctx), ctx)
+    b = again.decoder.decode(again.encoder.encode(kv, ctx), ctx)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

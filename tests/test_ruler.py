@@ -127,7 +127,7 @@ def test_a_length_too_short_for_the_prompt_says_so(home, tokenizer):
     (lambda p: p.write_text('{"context": "x", "length": 256}\n'), r"line 1: missing field\(s\) \['answers'\]"),
     (lambda p: p.write_text("[1, 2]\n"), "must be a JSON object"),
     (lambda p: p.write_text(""), "is empty"),
-])
+], ids=["bad-json", "missing-field", "not-an-object", "empty"])
 def test_a_malformed_data_file_names_itself_and_the_command_that_rebuilds_it(damage, message, home, tokenizer):
     (spec,) = task_specs(["ruler_vt"], _cfg(), tokenizer)
     path = spec["dataset_kwargs"]["data_files"]["test"]
@@ -146,6 +146,45 @@ def test_a_missing_data_file_names_itself_and_the_command_for_existing_tasks(tmp
     bad.write_text('{"context": "x"}\n')
     with pytest.raises(data.TaskDataError, match=r"missing field\(s\) \['passkey'\]"):
         data.check_jsonl(bad, ("context", "passkey"), "rebuild")
+
+
+class _Bytes:
+    """Bytes as ids with ``decode`` and an end-of-text id: what the lm-eval model class needs of a tokenizer."""
+
+    eos_token_id, bos_token_id, name_or_path = 0, None, "bytes"
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return type("Enc", (), {"input_ids": [1 + b % 127 for b in text.encode("utf-8")]})()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return 128
+
+
+def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, monkeypatch):
+    from compressors.identity import Identity
+    from kvbench.evaluation.runner import evaluate
+    from kvbench.evaluation.tasks import task_config
+    from kvbench.models import ModelHandle
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    rows = [{"context": f"The magic number is {v}. The magic number is", "answers": [str(v), "7"], "length": 64, "id": i}
+            for i, v in enumerate((12345, 67890, 13579))]
+    path = data.write_jsonl(tmp_path / "ruler_toy.jsonl", rows)
+    spec = task_config("ruler", "ruler_toy_64", path)
+    spec["generation_kwargs"] = {**spec["generation_kwargs"], "max_gen_toks": 4}
+    handle = ModelHandle.from_loaded(tiny_model, _Bytes(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+    cfg = OmegaConf.create({"model": {"name": "tiny"}, "device": "cpu", "dtype": "float16", "seed": 0, "tasks": [],
+                            "limit": None, "bootstrap_iters": 0, "cache": {"residual": 0, "chunk": 128, "mode": "auto"}})
+    summary, out = evaluate(cfg, Identity(), handle, progress=False, specs=[spec])
+    t = summary["tasks"]["ruler_toy_64"]
+    assert t["metric"] == ruler.METRIC and t["n"] == 3 and t["identical"] and t["identical_responses"] == 3
+    assert t["lm_eval_base"][f"{ruler.METRIC},none"] == pytest.approx(t["acc_base"])
+    assert [r["length"] for r in out] == [64] * 3
+    assert {r["base"] for r in out} <= {0.0, 0.5, 1.0}  # a fraction of the two answers per example
 
 
 @pytest.mark.integration

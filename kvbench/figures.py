@@ -152,7 +152,8 @@ def _reference_curve(ax, g: pd.DataFrame, x: str, y: str, label: str, x_scale: f
 
 
 def rate_distortion(df: pd.DataFrame):
-    """Bits per element against delta_nll, one line per compressor (and per non-rate setting)."""
+    """Bits per element against delta_nll with its paired 95% interval, one line per compressor (and per non-rate
+    setting), on one set of evaluated windows per panel."""
     d = _finite(_single_sequence_runs(df), "bits_per_element", "delta_nll")
     if d.empty:
         return None, "no run has both bits_per_element and delta_nll (run with metrics.nll=true)"
@@ -162,16 +163,20 @@ def rate_distortion(df: pd.DataFrame):
     with rc_context(STYLE):
         fig, axes = _grid(len(facets))
         for ax, (title, g) in zip(axes, facets):
-            if "context_len" in g and g["context_len"].nunique() > 1:
-                # one curve per compressor must be one context: other lengths are other text, and a line through
-                # them zig-zags; they belong to the context-length figure
-                ctx = g["context_len"].mode().iloc[0]
-                g = g[g["context_len"] == ctx]
-                title = f"{title}, {int(ctx)}-token windows"
+            if "windows" in g and g["windows"].nunique() > 1:
+                # one panel compares cells on the same windows only: other windows are other text (or another
+                # context length), and a line through them zig-zags; they belong to the context-length figure
+                g = g[g["windows"] == g["windows"].mode().iloc[0]]
+                title = f"{title}, {int(g['context_len'].iloc[0])}-token windows"
             for name, s in g.groupby("series", sort=True):
                 s = s.sort_values("bits_per_element")
                 ax.plot(s["bits_per_element"], s["delta_nll"], label=name, **styles[name])
-            ys = list(g["delta_nll"])
+                if "delta_nll_low" in s and s["delta_nll_low"].notna().any():  # the paired 95% interval
+                    lo = (s["delta_nll"] - s["delta_nll_low"]).clip(lower=0)
+                    hi = (s["delta_nll_high"] - s["delta_nll"]).clip(lower=0)
+                    ax.errorbar(s["bits_per_element"], s["delta_nll"], yerr=[lo.fillna(0), hi.fillna(0)], fmt="none",
+                                ecolor=styles[name].get("color"), elinewidth=0.8, capsize=2)
+            ys = list(g["delta_nll"]) + [v for v in g.get("delta_nll_high", []) if pd.notna(v)]
             if "nll_base" in g and pd.to_numeric(g["nll_base"], errors="coerce").notna().any():
                 ref = 0.01 * float(pd.to_numeric(g["nll_base"], errors="coerce").mean())
                 ax.axhline(ref, color="grey", linestyle=":", linewidth=1, label="1% NLL regression")

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvbench.metrics.intervals import NLL_TOLERANCE
+from kvbench.metrics.intervals import NLL_TOLERANCE, verdict
+from kvbench.results import KINDS, newest_per_cell
 
-# A run dir's summary file names its kind: compression cells (`run`), task accuracy (`eval`), end-to-end latency.
-SUMMARY_FILES = {"summary.json": "run", "eval.json": "eval", "latency.json": "latency"}
+# A run dir's summary file names its kind (kvbench.results.KINDS): compression cells, task accuracy, latency.
+SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
 # Files that mark a directory as a run, finished or not.
-RUN_FILES = (*SUMMARY_FILES, "rows.parquet", "eval.parquet", "latency.parquet")
+RUN_FILES = (*SUMMARY_FILES, *(k.table for k in KINDS.values()))
 # Parameters that set a compressor's rate: points along one curve rather than separate curves.
 RATE_KNOBS = ("bits", "step")
 
@@ -73,9 +74,11 @@ def _explode(row: dict, items: list[dict]) -> list[dict]:
     return [{**row, **_flatten(item)} for item in items if isinstance(item, dict)]
 
 
-def collect(dirs: Iterable[str | Path]) -> Collection:
-    """Read every run summary under ``dirs``; list the dirs that could not be read instead of failing."""
-    rows, evals, latency, skipped, seen = [], [], [], [], set()
+def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
+    """Read every run summary under ``dirs``; list the dirs that could not be read instead of failing. With
+    ``newest_only``, a cell measured more than once (same ``cell_key``, e.g. at several code versions) is shown by
+    its newest run."""
+    found_runs, skipped, seen = [], [], set()
     for d in map(Path, dirs):
         if not d.exists():
             skipped.append((d, "no such directory"))
@@ -101,13 +104,19 @@ def collect(dirs: Iterable[str | Path]) -> Collection:
                     skipped.append((run_dir, str(e)))
                     continue
                 row.update(run_dir=str(run_dir), run_id=run_dir.name, kind=SUMMARY_FILES[name])
-                if name == "eval.json":
-                    tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
-                    evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
-                elif name == "latency.json":
-                    latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
-                else:
-                    rows.append(row)
+                found_runs.append({**raw, "_row": row})
+    if newest_only:
+        found_runs = [r for kind in KINDS for r in newest_per_cell([r for r in found_runs if r["_row"]["kind"] == kind])]
+    rows, evals, latency = [], [], []
+    for raw in found_runs:
+        row = raw["_row"]
+        if row["kind"] == "eval":
+            tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
+            evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
+        elif row["kind"] == "latency":
+            latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+        else:
+            rows.append(row)
     return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)))
 
 
@@ -149,10 +158,37 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
         context = per_seq.astype(float).where(multi, context)
     df["context_len"] = context
     df["x_bound"] = _num(df, "bits_per_token") / _num(df, "bound_bits_per_token")
+    _quality(df)
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)
     sort = [c for c in ("model", "dataset", "compressor", "params", "context_len", "bits_per_element") if c in df]
     return df.sort_values(sort, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def _ci(text) -> tuple[float, float]:
+    try:
+        low, high = json.loads(text) if isinstance(text, str) else (math.nan, math.nan)
+        return float(low), float(high)
+    except (TypeError, ValueError):
+        return math.nan, math.nan
+
+
+def _quality(df: pd.DataFrame) -> None:
+    """The delta-NLL interval as numbers and as text, its verdict against 1% of the base NLL (summaries without an
+    interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows
+    are compared with each other)."""
+    ci = [_ci(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
+    df["delta_nll_low"] = [lo for lo, _ in ci]
+    df["delta_nll_high"] = [hi for _, hi in ci]
+    df["delta_nll_ci_text"] = [f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) and math.isfinite(hi) else math.nan
+                               for lo, hi in ci]
+    base = _num(df, "nll_base")
+    df["nll_verdict"] = [verdict(c, NLL_TOLERANCE * b) if math.isfinite(b) else math.nan for c, b in zip(ci, base)]
+    trace = df["trace"].astype(str).map(lambda t: Path(t).name) if "trace" in df else pd.Series("", index=df.index)
+    if "workload" in df:
+        wl = df["workload"].fillna("").astype(str)
+        trace = trace.where(wl.isin(["", "none"]), trace + "/" + wl)
+    df["windows"] = trace
 
 
 def series_label(df: pd.DataFrame, exclude: Iterable[str] = RATE_KNOBS) -> pd.Series:
@@ -175,19 +211,20 @@ def series_label(df: pd.DataFrame, exclude: Iterable[str] = RATE_KNOBS) -> pd.Se
 
 
 def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFrame:
-    """Per (model, dataset, curve): the highest compression ratio whose delta_nll <= tol * nll_base."""
-    need = {"compression_ratio", "delta_nll", "nll_base"}
+    """Per (model, dataset, evaluated windows, curve): the highest compression ratio whose delta-NLL interval lies
+    wholly at or below ``tol * nll_base`` (verdict ``within``). Cells on other windows (another context length,
+    other text) are never compared: each set of windows gets its own rows."""
+    need = {"compression_ratio", "delta_nll_high", "nll_base", "windows"}
     if df.empty or not need <= set(df.columns):
         return pd.DataFrame()
-    d = df.assign(series=series_label(df), ratio=_num(df, "compression_ratio"), dnll=_num(df, "delta_nll"),
+    d = df.assign(series=series_label(df), ratio=_num(df, "compression_ratio"), high=_num(df, "delta_nll_high"),
                   base=_num(df, "nll_base"))
-    d = d[d["dnll"].notna() & d["base"].notna() & d["ratio"].notna()]
-    ok = d[d["dnll"] <= tol * d["base"]]
+    ok = d[d["ratio"].notna() & d["base"].notna() & (d["high"] <= tol * d["base"])]
     if ok.empty:
         return pd.DataFrame()
-    best = ok.loc[ok.groupby(["model", "dataset", "series"])["ratio"].idxmax()]
-    cols = ["model", "dataset", "series", "params", "bits_per_element", "bits_per_token", "x_bound", "compression_ratio",
-            "delta_nll", "nll_base"]
+    best = ok.loc[ok.groupby(["model", "dataset", "windows", "series"])["ratio"].idxmax()]
+    cols = ["model", "dataset", "windows", "series", "params", "context_len", "bits_per_element", "bits_per_token",
+            "x_bound", "compression_ratio", "delta_nll", "delta_nll_ci_text", "nll_base"]
     out = best[[c for c in cols if c in best]]
-    return out.rename(columns={"series": "compressor"}).sort_values(["model", "dataset", "compression_ratio"],
-                                                                   ascending=[True, True, False])
+    return out.rename(columns={"series": "compressor"}).sort_values(["model", "dataset", "windows", "compression_ratio"],
+                                                                   ascending=[True, True, True, False])

@@ -43,6 +43,9 @@ CATALOGUE = {c.key: c for c in (
     _col("x_bound", "x bound", "x", r"$\times$ bound"),
     _col("compression_ratio", "ratio", ".2f"),
     _col("delta_nll", "dNLL (nats)", "+.4f", r"$\Delta$NLL (nats)"),
+    _col("delta_nll_ci_text", "dNLL 95% CI", "s", r"$\Delta$NLL 95\% CI"),
+    _col("nll_verdict", "within 1%?"),
+    _col("windows", "windows"),
     _col("nll_base", "NLL base", ".3f"),
     _col("rel_mse_k", "rel MSE K", ".2e"),
     _col("rel_mse_v", "rel MSE V", ".2e"),
@@ -79,10 +82,11 @@ def pick(*keys: str, formats: dict[str, str] | None = None) -> list[Column]:
 # the best-points table gives two decimals near the bound.
 COLUMNS = pick("model", "dataset", "compressor", "params", "workload", "sharing.share_rate", "context_len",
                "bits_per_element", "bits_per_token", "bound_bits_per_token", "x_bound", "compression_ratio",
-               "delta_nll", "rel_mse_k", "rel_mse_v", "encode_MBps", "decode_MBps", "lossless",
-               formats={"x_bound": ",.0f"})
-BEST_COLUMNS = pick("model", "dataset", "compressor", "params", "context_len", "bits_per_element", "bits_per_token",
-                    "x_bound", "compression_ratio", "delta_nll", "nll_base")
+               "delta_nll", "delta_nll_ci_text", "nll_verdict", "rel_mse_k", "rel_mse_v", "encode_MBps",
+               "decode_MBps", "lossless", formats={"x_bound": ",.0f"})
+# The best point of each curve within 1% NLL, decided on the interval, per set of evaluated windows.
+BEST_COLUMNS = pick("model", "dataset", "windows", "compressor", "params", "context_len", "bits_per_element",
+                    "bits_per_token", "x_bound", "compression_ratio", "delta_nll", "delta_nll_ci_text", "nll_base")
 EVAL_COLUMNS = pick("model", "compressor", "params", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
                     "stderr_diff", "mcnemar_p")
 LATENCY_COLUMNS = pick("model", "compressor", "params", "context", "cache", "prefill_s", "compress_s",

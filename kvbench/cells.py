@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kvbench.config import compose, make_compressor
-from kvbench.results import Outcome, reuse_or_measure
+from kvbench.results import Outcome, cell_key, latest, reuse_or_measure, root_of
 
 #: kind -> (config name, measuring function, terminal formatter)
 COMMANDS = {
@@ -39,12 +39,30 @@ def formatter(kind: str):
     return _function(_command(kind)[2])
 
 
-def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, **measure_kw: Any) -> Outcome:
+def key_of(cfg: Any) -> str:
+    """The ``cell_key`` that :func:`run_cell` files this config's runs under."""
+    return cell_key(OmegaConf.to_container(cfg, resolve=True), make_compressor(cfg.get("compressor")).describe())
+
+
+def finished(kind: str, cfg: Any, same_code: bool = False) -> dict | None:
+    """The newest finished run of the cell ``cfg`` under its results root (any code version unless
+    ``same_code``), or None: what :func:`run_cell` would reuse."""
+    _command(kind)
+    return latest(root_of(OmegaConf.to_container(cfg, resolve=True)), kind, key_of(cfg), same_code=same_code)
+
+
+def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra: dict | None = None,
+             **measure_kw: Any) -> Outcome:
     """Reuse the newest finished run of ``cfg`` (``resume``: default ``cfg.metrics.resume``; see
-    :func:`kvbench.results.resume_mode`) or measure it with ``kind``'s function and write it."""
+    :func:`kvbench.results.resume_mode`) or measure it with ``kind``'s function and write it, with ``extra``
+    fields (e.g. the machine's load while it ran) added to the measured summary."""
     compressor = make_compressor(cfg.get("compressor"))
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     measure = _function(_command(kind)[1])
     resume = cfg.metrics.resume if resume is None else resume
-    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(),
-                            lambda: measure(cfg, compressor, handle, **measure_kw), resume)
+
+    def measured() -> tuple[dict, list[dict]]:
+        summary, rows = measure(cfg, compressor, handle, **measure_kw)
+        return {**summary, **(extra or {})}, rows
+
+    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(), measured, resume)

@@ -179,11 +179,14 @@ def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: di
 
 
 def summaries(dirs: Iterable[str | os.PathLike], kind: str = "run") -> list[dict]:
-    """Every finished run of ``kind`` under ``dirs`` (searched recursively), each with ``_dir``."""
+    """Every finished run of ``kind`` under ``dirs`` (searched recursively), each with ``_dir``; a killed run's
+    hidden staging directory is not a run."""
     k = kind_of(kind)
     out = []
     for d in dirs:
         for f in sorted(Path(d).rglob(k.summary)):
+            if any(part.startswith(".") for part in f.relative_to(d).parts[:-1]):
+                continue
             s = read_summary(f)
             if s is not None:
                 out.append({**s, "_dir": str(f.parent)})

@@ -96,3 +96,20 @@ def test_fitted_state_is_cached_per_calibration_set_and_decodes_the_same(random_
     a = first.decoder.decode(first.encoder.encode(kv, ctx), ctx)
     b = again.decoder.decode(again.encoder.encode(kv, ctx), ctx)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_finished_finds_what_run_cell_wrote_and_extra_fields_are_kept(tiny_cfg, tiny_handle):
+    from kvbench.cells import finished, key_of, run_cell
+
+    cfg = tiny_cfg("+compressor=identity", "metrics.nll=false")
+    assert finished("run", cfg) is None
+    out = run_cell("run", cfg, tiny_handle, extra={"load_average_1min": 0.5})
+    got = finished("run", cfg)
+    assert got["cell_key"] == key_of(cfg) == out.summary["cell_key"] and got["load_average_1min"] == 0.5
+
+
+def test_summaries_skip_a_killed_runs_staging_directory(tmp_path):
+    results.write(tmp_path / "runs" / "kivi-a", "run", {"cell_key": "a"}, [{"x": 1}], {})
+    (tmp_path / "runs" / ".kivi-b.xyz").mkdir(parents=True)
+    (tmp_path / "runs" / ".kivi-b.xyz" / "summary.json").write_text('{"cell_key": "b"}')
+    assert [s["cell_key"] for s in results.summaries([tmp_path])] == ["a"]

@@ -33,9 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+from scipy.special import zeta
 
 from kvbench.evaluation import data
 
@@ -88,6 +89,12 @@ class Example:
     context: str  # the whole prompt, answer prefix included
     answers: list[str]
     extra: dict  # what to record besides (needle depths, query)
+
+
+class Maker(Protocol):
+    """What builds one family's examples."""
+
+    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example: ...
 
 
 def _fit(render: Callable[[int], str], count: Count, target: int, upper: int, what: str) -> tuple[str, int]:
@@ -158,9 +165,10 @@ def _essay_words(docs: list[str], n: int, rng: np.random.Generator) -> list[str]
     words = docs[i].split()
     starts = [0, *(j + 1 for j, w in enumerate(words[:-1]) if _SENTENCE_END.search(w))]
     words = words[starts[int(rng.integers(len(starts)))]:]
-    while len(words) < n and i < len(docs) * 2:  # the addresses cycle; twice round is more than any length needs
-        i += 1
-        words += docs[i % len(docs)].split()
+    for j in range(1, len(docs) + 1):  # on into the following addresses, wrapping round at most once
+        if len(words) >= n:
+            break
+        words += docs[(i + j) % len(docs)].split()
     return words[:n]
 
 
@@ -341,8 +349,6 @@ class FrequentWords:
         return ["...", *vocab[1:]]  # rank 1 is the noise the question says to ignore
 
     def _stream(self, vocab: list[str], n: int, seed: int) -> str:
-        from scipy.special import zeta
-
         counts = (n * np.arange(1, len(vocab) + 1, dtype=float) ** -self.alpha / zeta(self.alpha)).astype(int)
         words = np.repeat(np.array(vocab, dtype=object), counts)
         return " ".join(words[np.random.default_rng(seed).permutation(len(words))])
@@ -363,7 +369,7 @@ class FrequentWords:
 @dataclass(frozen=True)
 class Family:
     name: str  # the task name without its length suffix
-    make: Any  # an object with example(rng, target, count, name, sources) -> Example
+    make: Maker
     max_gen_toks: int  # enough for the answer in the model's tokens (a UUID is ~34 SmolLM2 tokens)
 
 

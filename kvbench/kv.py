@@ -23,6 +23,10 @@ class KVSequence:
     v: torch.Tensor  # (L, H, T, D)
     tokens: torch.Tensor | None = None  # (T,) int64
     k_pre_rope: torch.Tensor | None = None  # (L, H, T, D), only when captured with capture.pre_rope=true
+    #: which entries a decoder kept, per (layer, KV head, token), ``(L, H, T)`` bool; None: all of them. Token
+    #: eviction drops entries per head; the harness hides dropped ones from attention (positions stay the original
+    #: ones) and measures distortion on the kept ones.
+    kept: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.k.shape != self.v.shape:
@@ -31,6 +35,9 @@ class KVSequence:
             raise ValueError(f"KV must be (layers, heads, tokens, head_dim); got shape {tuple(self.k.shape)}")
         if self.tokens is not None and self.tokens.numel() != self.k.shape[2]:
             raise ValueError(f"{self.tokens.numel()} token ids for {self.k.shape[2]} cached tokens")
+        if self.kept is not None and (self.kept.dtype != torch.bool or tuple(self.kept.shape) != tuple(self.k.shape[:3])):
+            raise ValueError(f"kept must be a bool mask of shape {tuple(self.k.shape[:3])}; got {self.kept.dtype} "
+                             f"{tuple(self.kept.shape)}")
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -51,6 +58,7 @@ class KVSequence:
             self.v[:, :, start:stop],
             None if self.tokens is None else self.tokens[start:stop],
             None if self.k_pre_rope is None else self.k_pre_rope[:, :, start:stop],
+            None if self.kept is None else self.kept[:, :, start:stop],
         )
 
 

@@ -111,9 +111,9 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         kv = it.kv
         if kv_hat.shape != kv.shape or kv_hat.k.dtype != dtype:
             raise RuntimeError(f"{compressor.name} decoded {tuple(kv_hat.shape)} {kv_hat.k.dtype}; expected {tuple(kv.shape)} {dtype}")
-        lossless &= torch.equal(kv_hat.k, kv.k) and torch.equal(kv_hat.v, kv.v)
-        dist.add("k", kv.k, kv_hat.k)
-        dist.add("v", kv.v, kv_hat.v)
+        lossless &= torch.equal(kv_hat.k, kv.k) and torch.equal(kv_hat.v, kv.v) and (kv_hat.kept is None or bool(kv_hat.kept.all()))
+        dist.add("k", kv.k, kv_hat.k, kv_hat.kept)
+        dist.add("v", kv.v, kv_hat.v, kv_hat.kept)
         n_tok += kv.n_tokens
         n_el += kv.n_elements
         if it.continuation is not None:
@@ -142,6 +142,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "max_abs_err_v": dist.max_abs_err("v"),
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
+        "dropped_fraction": dist.dropped_fraction("k"),
         **task_loss(nll_base, nll_comp, cfg.metrics),
         **source.fields,
         "dtype": cfg.dtype,

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvbench.eviction_mask import hide_evicted
 from kvbench.kv import KVSequence
 
 
@@ -29,7 +30,8 @@ def continuation_nlls(model: Any, kv: KVSequence, continuation: torch.Tensor) ->
     ``continuation[:-1]``: the unit that paired intervals resample."""
     device = next(model.parameters()).device
     ids = continuation.to(device)
-    out = model(ids[:-1].unsqueeze(0), cache=build_cache(model, kv), use_cache=True)
+    with hide_evicted(model, kv.kept):  # a token-eviction decoder's dropped entries stay out of attention
+        out = model(ids[:-1].unsqueeze(0), cache=build_cache(model, kv), use_cache=True)
     nll = torch.nn.functional.cross_entropy(out.logits[0].float(), ids[1:], reduction="none")  # (E,)
     return nll.double().cpu().numpy()
 

@@ -45,14 +45,19 @@ class SphereCodebook:
         return (self.centroids[:-1] + self.centroids[1:]) / 2  # (2**bits - 1,)
 
     @property
+    def cell_probs(self) -> np.ndarray:
+        """Probability of each cell under f_d: the law of a code when the vector is uniform on the sphere
+        (what an entropy coder of the codes is modelled on). (2**bits,) float64, sums to 1."""
+        return _cell_probs(self.d, np.concatenate([[-1.0], self.thresholds, [1.0]]))
+
+    @property
     def unit_mse(self) -> float:
         """Expected ``||u - Q(u)||²`` for a uniform unit vector u quantized coordinate-wise (d times one coordinate).
 
         At a Lloyd fixed point each centroid is its cell's mean, so the error is E[t²] - Σ P_i c_i² per coordinate,
         with E[t²] = 1/d.
         """
-        p = _cell_probs(self.d, np.concatenate([[-1.0], self.thresholds, [1.0]]))
-        return float(1.0 - self.d * np.sum(p * self.centroids**2))
+        return float(1.0 - self.d * np.sum(self.cell_probs * self.centroids**2))
 
 
 def _tail(d: int, t: np.ndarray) -> np.ndarray:

@@ -19,6 +19,14 @@ Charged per vector: the codes, the norm (``norm_bits``: 16 stores it as float16,
 m sign bits and ||r|| at the same precision; per sequence, the 32-bit seed from which the decoder regenerates
 the rotation and S (so those cost 0 bits; so do the codebooks, which the decoder recomputes from (d, bits)).
 
+``entropy_coding=true`` stores the same codes range-coded instead of packed at ``bits`` each. Lloyd-Max cells are
+not equiprobable: under f_d the 3-bit codes carry about 2.8 bits of information and the 2-bit codes about 1.9, so
+a coder modelled on each cell's probability under f_d (:attr:`compressors.sphere_codebook.SphereCodebook.cell_probs`)
+spends less while the reconstructions stay bit-identical. Encoder and decoder derive those probabilities from
+(d, bits) alone, so the model costs 0 bits; the rotated coordinates of real KV only approximately follow f_d, and
+any mismatch shows up as extra coded bits (the model's own estimate, sum of -log2 p, is reported in
+:meth:`TurboQuant.stats` next to the coded size). Not in the paper, which stores codes at fixed length.
+
 ``rotation=hadamard`` (randomized Walsh–Hadamard, see :mod:`compressors.rotation`) needs a power-of-two
 head_dim; for any other head_dim encode **raises** a ValueError that points to ``rotation=orthogonal`` rather than
 silently switching rotations, so a run's recorded configuration is always the one that produced its numbers.
@@ -39,6 +47,7 @@ from compressors.scalar_codes import dequantize_packed, quantize
 from compressors.sphere_codebook import codebook
 from kvbench.checks import check_choice, check_range
 from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
@@ -46,6 +55,15 @@ from kvbench.kv import Context, KVSequence
 _NORM_DTYPE = {16: torch.float16, 32: torch.float32}
 _NORM_NUMPY = {16: np.float16, 32: np.float32}
 _PLUS_MINUS = torch.tensor([-1.0, 1.0])  # a QJL sign bit as the value it stands for
+#: cell probabilities are rounded to this grid before they reach the coder, so that last-bit differences in the
+#: special functions between platforms cannot change the model an encoder and a decoder use
+_PROB_GRID = float(1 << 40)
+
+
+def code_model(probs: np.ndarray) -> np.ndarray:
+    """The coder's probability row for a codebook's cell probabilities: on the ``_PROB_GRID`` grid, normalized."""
+    p = np.round(np.asarray(probs, dtype=np.float64) * _PROB_GRID) / _PROB_GRID
+    return p / p.sum()
 
 
 @dataclass
@@ -57,6 +75,7 @@ class _Group:
     bits: int
     centroids: torch.Tensor  # (2**bits,) float32
     thresholds: torch.Tensor  # (2**bits - 1,) float32
+    probs: np.ndarray  # (2**bits,) float64: each cell's probability under f_d, the entropy coder's model
 
     @property
     def width(self) -> int:
@@ -101,6 +120,7 @@ class TurboQuant(Compressor):
     rotation: str = "hadamard"
     norm_bits: int = 16
     seed: int = 0
+    entropy_coding: bool = False
 
     name: ClassVar[str] = "turboquant"
 
@@ -113,7 +133,10 @@ class TurboQuant(Compressor):
         check_choice("turboquant", "norm_bits", self.norm_bits, tuple(_NORM_DTYPE))
         check_range("turboquant", "seed", self.seed, 0, 2**32 - 1, integer=True)
         self.seed = int(self.seed)
+        if not isinstance(self.entropy_coding, bool):
+            raise ValueError(f"turboquant.entropy_coding={self.entropy_coding!r} must be true or false")
         self._plans: dict[tuple[int, int], _Plan] = {}
+        self._stats: dict[str, float] = {}
 
     # ---- derived state -------------------------------------------------------------------------------------
 
@@ -141,7 +164,7 @@ class TurboQuant(Compressor):
             for n, b in split_bits(self.mse_bits, d):
                 cb = codebook(d, b)
                 groups.append(_Group(start, start + n, b, torch.tensor(cb.centroids, dtype=torch.float32),
-                                     torch.tensor(cb.thresholds, dtype=torch.float32)))
+                                     torch.tensor(cb.thresholds, dtype=torch.float32), code_model(cb.cell_probs)))
                 start += n
             sketch = QJLSketch(d, d, seed) if self.variant == "prod" else None
             self._plans[key] = _Plan(d, make_rotation(self.rotation, d, seed), groups, sketch)
@@ -155,14 +178,41 @@ class TurboQuant(Compressor):
     # ---- coding --------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _dequantize(plan: _Plan, packed: list[bytes | None], n: int) -> np.ndarray:
-        """Centroids of each group's packed codes, laid side by side: (N, d) float32 (0-bit groups give 0)."""
+    def _dequantize(plan: _Plan, packed: list[bytes | np.ndarray | None], n: int) -> np.ndarray:
+        """Centroids of each group's codes, laid side by side: (N, d) float32 (0-bit groups give 0). A group's codes
+        are packed bytes or, after entropy decoding, an integer array."""
         parts = [
             np.zeros((n, g.width), dtype=np.float32) if raw is None
             else dequantize_packed(raw, g.bits, n * g.width, g.centroids).numpy().reshape(n, g.width)
+            if isinstance(raw, bytes)
+            else np.take(g.centroids.numpy(), raw).reshape(n, g.width)
             for g, raw in zip(plan.groups, packed)
         ]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def _code_group(self, kind: str, g: _Group, codes: torch.Tensor) -> tuple[bytes | tuple[bytes, int], bytes | np.ndarray]:
+        """One group's codes (N, width) as a section, and what :meth:`_dequantize` reads back from it."""
+        if not self.entropy_coding:
+            raw, nbits = pack_codes(codes, g.bits)
+            return (raw, nbits), raw
+        flat = codes.numpy().reshape(-1)
+        enc = StreamEncoder()
+        enc.categorical(flat, g.probs)
+        counts = np.bincount(flat, minlength=len(g.probs))
+        key = f"{kind}.codes{g.bits}.model_bits"
+        self._stats[key] = self._stats.get(key, 0.0) + float(-(counts * np.log2(np.maximum(g.probs, 1 / _PROB_GRID))).sum())
+        return enc.finish(), flat
+
+    def _read_group(self, sec: dict[str, bytes], kind: str, g: _Group, n: int) -> bytes | np.ndarray:
+        raw = self._section(sec, f"{kind}.codes{g.bits}")
+        if not self.entropy_coding:
+            return raw
+        return StreamDecoder(raw).categorical(n * g.width, g.probs)
+
+    def stats(self) -> dict[str, float]:
+        """With entropy coding: the model's own estimate of each code section's size (sum of -log2 p under f_d's
+        cell probabilities), summed over the sequences coded, to set beside the coded size."""
+        return dict(self._stats)
 
     # Elementwise work runs in numpy (single-threaded); torch does only the matmuls and the final cast. On a
     # shared 2-core machine every torch parallel region waits for its second thread to be scheduled, which made
@@ -184,15 +234,14 @@ class TurboQuant(Compressor):
         y = plan.rotation.forward(torch.from_numpy(x32)).numpy()  # (N, d)
         y *= inv[:, None]  # rotated unit vectors
         out: dict[str, bytes | tuple[bytes, int]] = {f"{kind}.norm": tensor_to_bytes(torch.from_numpy(stored))}
-        packed: list[bytes | None] = []
+        packed: list[bytes | np.ndarray | None] = []
         for g in plan.groups:
             if g.bits == 0:
                 packed.append(None)
                 continue
             codes = quantize(torch.from_numpy(y[:, g.start : g.stop]), g.thresholds)  # (N, width) uint8
-            raw, nbits = pack_codes(codes, g.bits)
-            packed.append(raw)
-            out[f"{kind}.codes{g.bits}"] = (raw, nbits)
+            out[f"{kind}.codes{g.bits}"], stored = self._code_group(kind, g, codes)
+            packed.append(stored)
         if plan.sketch is not None:
             r = y - self._dequantize(plan, packed, n)  # (N, d) residual of the unit vector
             r_norm = np.sqrt(np.einsum("ij,ij->i", r, r)).astype(_NORM_NUMPY[self.norm_bits])  # (N,)
@@ -202,7 +251,7 @@ class TurboQuant(Compressor):
 
     def _decode_part(self, kind: str, sec: dict[str, bytes], plan: _Plan, n: int, dtype: torch.dtype) -> torch.Tensor:
         ndt = _NORM_DTYPE[self.norm_bits]
-        packed = [None if g.bits == 0 else self._section(sec, f"{kind}.codes{g.bits}") for g in plan.groups]
+        packed = [None if g.bits == 0 else self._read_group(sec, kind, g, n) for g in plan.groups]
         y = self._dequantize(plan, packed, n)  # (N, d)
         norm = tensor_from_bytes(self._section(sec, f"{kind}.norm"), ndt, (n,)).numpy().astype(np.float32)  # (N,)
         if plan.sketch is not None:

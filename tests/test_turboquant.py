@@ -317,3 +317,72 @@ def test_a_norm_beyond_float16_asks_for_norm_bits_32(random_kv):
         TurboQuant().encode(kv, Context.for_kv(kv))
     out = TurboQuant(norm_bits=32).decode(TurboQuant(norm_bits=32).encode(kv, Context.for_kv(kv)), Context.for_kv(kv))
     assert float(out.k[0, 0, 0].norm()) == pytest.approx(big, rel=0.05)
+
+
+# ---- entropy coding ---------------------------------------------------------------------------------------------
+
+# entropy of the Lloyd-Max codes of a Gaussian (Max 1960's cell probabilities), which the d = 1024 cells approach
+GAUSSIAN_LLOYD_MAX_ENTROPY = {1: 1.0, 2: 1.911, 3: 2.825, 4: 3.765}
+
+
+@pytest.mark.parametrize("d", [64, 1024])
+def test_cell_probabilities_are_a_symmetric_law_with_the_gaussian_limit(d):
+    for b in range(1, 9):
+        p = codebook(d, b).cell_probs
+        assert len(p) == 1 << b and np.all(p >= 0) and p.sum() == pytest.approx(1, abs=1e-12)
+        np.testing.assert_allclose(p, p[::-1], atol=1e-12)
+    if d == 1024:
+        for b, h in GAUSSIAN_LLOYD_MAX_ENTROPY.items():
+            p = codebook(d, b).cell_probs
+            assert float(-(p * np.log2(p)).sum()) == pytest.approx(h, abs=0.01)
+
+
+def test_cell_probabilities_match_the_frequency_of_codes_on_the_sphere():
+    x = unit_vectors(20_000, 64, seed=3)
+    comp = TurboQuant(bits=3, rotation="orthogonal")
+    y = comp._plan(64, 0).rotation.forward(x)  # (n, d) rotated unit vectors: coordinates follow f_d
+    g = comp._plan(64, 0).groups[0]
+    freq = np.bincount(torch.bucketize(y, g.thresholds).numpy().ravel(), minlength=8) / y.numel()
+    np.testing.assert_allclose(freq, codebook(64, 3).cell_probs, atol=0.003)
+
+
+@pytest.mark.parametrize("kw", [
+    {"bits": 2}, {"bits": 3}, {"bits": 2.5}, {"bits": 4, "norm_bits": 32},
+    {"bits": 3, "variant": "prod"}, {"bits": 1, "variant": "prod"}, {"bits": 3, "rotation": "orthogonal", "seed": 4},
+])
+def test_entropy_coding_gives_identical_reconstructions(random_kv, kw):
+    kv = random_kv(L=2, H=3, T=80, D=64)
+    ctx = Context.for_kv(kv)
+    plain, coded = TurboQuant(**kw), TurboQuant(**kw, entropy_coding=True)
+    a = plain.decode(Bitstream.from_bytes(plain.encode(kv, ctx).data), ctx)
+    bs = coded.encode(kv, ctx)
+    b = TurboQuant(**kw, entropy_coding=True).decode(Bitstream.from_bytes(bs.data), ctx)  # a fresh decoder
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert coded.encode(kv, ctx).data == bs.data
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_entropy_coding_stores_fewer_bits_close_to_the_model_estimate(bits):
+    x = unit_vectors(8000, 64, seed=bits)
+    plain, coded = TurboQuant(bits=bits), TurboQuant(bits=bits, entropy_coding=True)
+    _, bs_plain = roundtrip(plain, x)
+    x_hat, bs = roundtrip(coded, x)
+    assert bs.num_bits < bs_plain.num_bits
+    for kind in ("k", "v"):
+        section = f"{kind}.codes{bits}"
+        assert bs.parts[section] < bs_plain.parts[section] == 8000 * 64 * bits
+        model = coded.stats()[f"{section}.model_bits"]
+        assert bs.parts[section] == pytest.approx(model, rel=0.02)  # the coder adds at most a few words
+        # and the model is f_d's: its estimate is the codes' entropy under the cell probabilities
+        p = codebook(64, bits).cell_probs
+        assert model / (8000 * 64) == pytest.approx(float(-(p * np.log2(p)).sum()), rel=0.01)
+    # every other section is unchanged
+    assert {k: v for k, v in bs.parts.items() if "codes" not in k and k != "frame"} == \
+        {k: v for k, v in bs_plain.parts.items() if "codes" not in k and k != "frame"}
+
+
+def test_entropy_coding_is_off_by_default_and_must_be_a_bool():
+    assert make_compressor(compose(["+compressor=turboquant"]).compressor).entropy_coding is False
+    assert make_compressor(compose(["+compressor=turboquant", "compressor.entropy_coding=true"]).compressor).entropy_coding
+    with pytest.raises(ValueError, match=r"turboquant\.entropy_coding='yes' must be true or false"):
+        TurboQuant(entropy_coding="yes")

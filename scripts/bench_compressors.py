@@ -8,7 +8,8 @@ sequences, warmed up once, then timed over ``--repeats`` passes of encode and de
 alone, as the harness does); the best pass is reported (the least disturbed by other load on the machine) next
 to the median, and so is MB per CPU-second of the process (all its threads), which other load distorts less than
 wall time. The load average before and after is printed too. Compressors that need the model get it (the model
-load is not timed); set compressors (cross-session dedup) are timed on single sequences, where they find nothing
+load is not timed), compressors that declare ``needs_config`` get the model config in their context, as the harness
+gives it; set compressors (cross-session dedup) are timed on single sequences, where they find nothing
 to share. Any compressor that cannot run here is listed with the reason instead of a number. ``--extra SPEC``
 adds variants after the default list. Wrap the command in ``flock`` so that timings never overlap; set
 ``OMP_NUM_THREADS`` to compare torch thread counts.
@@ -42,7 +43,7 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float) -> dict:
+def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float, config=None) -> dict:
     """Fit, warm up, then time encode and decode over ``seqs``; returns MB/s (best and median) and bits."""
     t0 = time.perf_counter()
     comp.fit(calib)
@@ -54,13 +55,13 @@ def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float)
         te = td = ce = cd = 0.0
         bits = n_el = 0
         for kv in seqs:
-            ctx = Context.for_kv(kv, model_ref)
+            ctx = Context.for_kv(kv, model_ref, config)
             t, c = time.perf_counter(), time.process_time()
             bs = comp.encode(kv, ctx)
             te, ce = te + time.perf_counter() - t, ce + time.process_time() - c
             stored = Bitstream.from_bytes(bs.data)
             t, c = time.perf_counter(), time.process_time()
-            out = comp.decode(stored, Context.for_kv(kv, model_ref))
+            out = comp.decode(stored, Context.for_kv(kv, model_ref, config))
             td, cd = td + time.perf_counter() - t, cd + time.process_time() - c
             if out.shape != kv.shape:
                 raise RuntimeError(f"decoded shape {tuple(out.shape)} != {tuple(kv.shape)}")
@@ -128,7 +129,8 @@ def main() -> int:
             model_ref = handle if comp.needs_model else None
             if model_ref is not None:
                 handle.model  # load outside the timed region  # noqa: B018
-            row.update(time_compressor(comp, calib, seqs, model_ref, args.repeats, args.budget_s))
+            config = handle.config if comp.needs_config else None  # free context, as the harness gives it
+            row.update(time_compressor(comp, calib, seqs, model_ref, args.repeats, args.budget_s, config))
             notes = []
             if comp.needs_model:
                 notes.append("decoder runs the model")

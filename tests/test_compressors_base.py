@@ -30,14 +30,31 @@ def _roundtrip_capable(comp):
     return not comp.needs_model
 
 
+def _config_for(kv):
+    """A tiny Llama config matching ``kv``'s shapes: the free model config a ``needs_config`` compressor reads."""
+    from transformers import LlamaConfig
+
+    L, H, _, D = kv.shape
+    return LlamaConfig(vocab_size=128, hidden_size=H * D, intermediate_size=128, num_hidden_layers=L,
+                       num_attention_heads=H, num_key_value_heads=H, head_dim=D, max_position_embeddings=512)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_roundtrip_shapes_accounting_and_checksum(name, random_kv):
     comp = _instantiate(name)
     if not _roundtrip_capable(comp):
         pytest.skip(f"{name} needs a model; covered by its own tests")
     kv = random_kv(T=160, D=64)
-    comp.fit([random_kv(T=160, D=64, seed=9)])
-    ctx = Context.for_kv(kv)
+    calib = random_kv(T=160, D=64, seed=9)
+    config = None
+    if comp.needs_config:
+        from kvbench.rope import Rotary
+
+        config = _config_for(kv)
+        # as a capture with capture.pre_rope=true would give them
+        calib.k_pre_rope = Rotary(config).undo(calib.k).to(calib.k.dtype)
+    comp.fit([calib])
+    ctx = Context.for_kv(kv, config=config)
     bs = comp.encode(kv, ctx)
     assert sum(bs.parts.values()) == bs.num_bits
     assert len(bs.data) * 8 >= bs.num_bits

@@ -423,20 +423,23 @@ def attention_sums(qs: Queries, k: torch.Tensor) -> torch.Tensor:
     L, H, T, _ = k.shape
     Hq, n = qs.q.shape[1], qs.q.shape[2]
     out = torch.zeros(L, Hq, T)
-    key_pos = torch.arange(T)
     for layer in range(L):
         keys = k[layer].float().repeat_interleave(Hq // H, dim=0)  # (Hq, T, D)
         for c in range(0, n, QUERY_CHUNK):
             q = qs.q[layer, :, c : c + QUERY_CHUNK]  # (Hq, c, D)
-            logits = q @ keys.transpose(1, 2) * qs.scaling[layer]  # (Hq, c, T)
+            q_pos = torch.arange(qs.first + c, qs.first + c + q.shape[1]).unsqueeze(1)  # (c, 1)
+            lo, hi = 0, int(q_pos[-1]) + 1  # keys a query of this block can see: causal, and within the window
+            if qs.sliding[layer]:
+                lo = max(0, int(q_pos[0]) - qs.sliding[layer] + 1)
+            key_pos = torch.arange(lo, hi)  # (S,)
+            logits = q @ keys[:, lo:hi].transpose(1, 2) * qs.scaling[layer]  # (Hq, c, S)
             if qs.softcap[layer]:
                 logits = torch.tanh(logits / qs.softcap[layer]) * qs.softcap[layer]
-            q_pos = torch.arange(qs.first + c, qs.first + c + q.shape[1]).unsqueeze(1)  # (c, 1)
-            visible = key_pos <= q_pos  # (c, T)
+            visible = key_pos <= q_pos  # (c, S)
             if qs.sliding[layer]:
                 visible &= q_pos - key_pos < qs.sliding[layer]
             logits = logits.masked_fill(~visible, -math.inf)
-            out[layer] += torch.softmax(logits, dim=-1).sum(1)
+            out[layer, :, lo:hi] += torch.softmax(logits, dim=-1).sum(1)
     return out
 
 

@@ -601,6 +601,8 @@ class ExpectedAttention(Eviction):
         check_range(self.name, "future", self.future, 1, 1 << 30, integer=True)
         check_range(self.name, "query_window", self.query_window, 0, 1 << 30, integer=True)
         check_range(self.name, "epsilon", self.epsilon, 0.0, math.inf)
+        check_choice(self.name, "covariance", self.covariance, (True, False))
+        check_choice(self.name, "value_norm", self.value_norm, (True, False))
 
     def _mean_rotation(self, qs: Queries, start: int, D: int) -> torch.Tensor:
         """``(L, D, D)`` M with ``x @ M`` = the averaged RoPE of the next ``future`` positions applied to ``x``."""

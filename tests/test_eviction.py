@@ -275,6 +275,8 @@ def test_a_keep_that_would_keep_nothing_names_the_field_and_the_range(random_kv)
     (["+compressor=snapkv", "compressor.pooling=mean"], r"snapkv\.pooling='mean' is not allowed"),
     (["+compressor=h2o", "compressor.recent=2"], r"h2o\.recent=2 is out of range"),
     (["+compressor=expected_attention", "compressor.future=0"], r"expected_attention\.future=0 is out of range"),
+    (["+compressor=expected_attention", "compressor.covariance=2"], r"expected_attention\.covariance=2 is not allowed"),
+    (["+compressor=random_eviction", "compressor.seed=-1"], r"random_eviction\.seed=-1 is out of range"),
     (["+compressor=knorm", "compressor.inner=nonesuch"], r"knorm\.inner='nonesuch' is not a compressor config"),
     (["+compressor=knorm", "compressor.inner=pipeline"], r"knorm\.inner='pipeline' cannot code the kept vectors"),
     (["+compressor=knorm", "compressor.inner=streaming_llm"], r"knorm\.inner='streaming_llm' cannot code"),
@@ -374,3 +376,24 @@ def test_a_run_counts_positions_and_reports_the_dropped_share(tiny_cfg, tiny_han
         assert summary["bits_by_part"]["positions"] > 0
         assert 3.3 < summary["compression_ratio"] < 4.0
         assert summary["rel_mse_k"] == 0.0 and summary["lossless"] is False
+
+
+def test_queries_of_a_model_with_qk_norm_sliding_layers_and_its_own_scale_give_its_attention():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=512, query_pre_attn_scalar=24)
+    model = Gemma3ForCausalLM(cfg).eval()
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(1))
+    got = capture_window(model, ids, 60, torch.float32)
+    kv = KVSequence(got["k"], got["v"], ids)
+    qs = capture_queries("test", kv, Context.for_kv(kv, model), 0)
+    assert qs.sliding == [16, 16, None] and qs.scaling == [24**-0.5] * 3
+    with torch.no_grad():
+        out = model(ids.unsqueeze(0), output_attentions=True)
+    ref = torch.stack([a[0].sum(1) for a in out.attentions])  # (L, Hq, T)
+    torch.testing.assert_close(attention_sums(qs, kv.k), ref, atol=1e-5, rtol=1e-4)

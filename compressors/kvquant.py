@@ -149,20 +149,35 @@ class _Rows:
         return (self.x - c) / r
 
 
+def _extremes(xn: np.ndarray, count: int, largest: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` largest (or smallest) values of every vector (last dim) of ``xn`` and their positions, in order.
+
+    ``count`` passes of numpy's vectorised argmax, each setting its pick aside with an infinity, cost a fraction
+    of a general top-k when ``count`` is small (about 1 ms a pass per 6M values, against 20 ms for torch.topk);
+    the picked values are put back before returning, so ``xn`` is unchanged.
+    """
+    pick, fence = (np.argmax, -np.inf) if largest else (np.argmin, np.inf)
+    vals = np.empty((*xn.shape[:-1], count), dtype=xn.dtype)
+    idx = np.empty((*xn.shape[:-1], count), dtype=np.int64)
+    for j in range(count):  # count is the few outliers per vector, never the vector length
+        i = pick(xn, axis=-1)[..., None]  # (L, M, 1)
+        idx[..., j : j + 1] = i
+        vals[..., j : j + 1] = np.take_along_axis(xn, i, -1)
+        np.put_along_axis(xn, i, fence, -1)
+    np.put_along_axis(xn, idx, vals, -1)
+    return vals, idx
+
+
 def _split_outliers(xn: np.ndarray, k: int, store: torch.dtype) -> _Rows:
     """Remove ``k`` outliers from every vector (last dim) of ``xn`` (L, M, n): ``i`` from the top and ``k - i`` from
     the bottom, with the ``i`` that leaves the narrowest range; centre and half-range of the rest."""
     L, M, n = xn.shape
-    x = torch.from_numpy(xn)
     if k == 0:
         hi, lo = xn.max(-1), xn.min(-1)  # (L, M)
         idx = np.zeros((L, M, 0), dtype=np.int64)
     else:
-        # torch's top-k is the fast selection here; the small (L, M, k+1) arithmetic after it runs in numpy, where
-        # it does not wait for a second thread on a busy machine
-        top, bot = x.topk(k + 1, dim=-1), x.topk(k + 1, dim=-1, largest=False)
-        t_val, t_idx = top.values.numpy(), top.indices.numpy()  # (L, M, k+1) descending
-        b_val, b_idx = bot.values.numpy(), bot.indices.numpy()  # (L, M, k+1) ascending
+        t_val, t_idx = _extremes(xn, k + 1, largest=True)  # (L, M, k+1) descending
+        b_val, b_idx = _extremes(xn, k + 1, largest=False)  # (L, M, k+1) ascending
         span = t_val - b_val[..., ::-1]  # (L, M, k+1): [i] = range left after removing i top and k - i bottom
         i = span.argmin(-1)[..., None]  # (L, M, 1)
         hi = np.take_along_axis(t_val, i, -1)[..., 0]

@@ -120,7 +120,8 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
     return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)))
 
 
-def _num(df: pd.DataFrame, col: str) -> pd.Series:
+def numeric(df: pd.DataFrame, col: str) -> pd.Series:
+    """A column as numbers (NaN where it is not one, all NaN where the column is missing)."""
     return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
 
 
@@ -150,14 +151,16 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     df = df.copy()
-    seq = _num(df, "cfg.dataset.seq_len")
-    per_seq = _num(df, "n_tokens") / _num(df, "n_sequences")
+    seq = numeric(df, "cfg.dataset.seq_len")
+    per_seq = numeric(df, "n_tokens") / numeric(df, "n_sequences")
     context = seq.fillna(per_seq).astype(float)
     if "workload" in df:  # sessions of a workload have their own lengths: the mean session
         multi = df["workload"].notna() & ~df["workload"].astype(str).isin(["none", ""])
         context = per_seq.astype(float).where(multi, context)
     df["context_len"] = context
-    df["x_bound"] = _num(df, "bits_per_token") / _num(df, "bound_bits_per_token")
+    df["x_bound"] = numeric(df, "bits_per_token") / numeric(df, "bound_bits_per_token")
+    for t in ("encode_s", "decode_s"):  # a run codes n_sequences windows (or sessions) one after another
+        df[f"{t}_per_seq"] = numeric(df, t) / numeric(df, "n_sequences")
     _quality(df)
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)
@@ -173,6 +176,29 @@ def _ci(text) -> tuple[float, float]:
         return math.nan, math.nan
 
 
+def interval_text(low, high, fmt: str):
+    """``[low, high]`` in ``fmt``, or NaN (a missing cell) when either end is missing."""
+    try:
+        lo, hi = float(low), float(high)
+    except (TypeError, ValueError):
+        return math.nan
+    return f"[{lo:{fmt}}, {hi:{fmt}}]" if math.isfinite(lo) and math.isfinite(hi) else math.nan
+
+
+def with_pooled(ev: pd.DataFrame, pooled: str = "all") -> pd.DataFrame:
+    """Eval rows (one per run and task) followed, per run, by a row of its pooled statistics (``overall.*``) as a
+    task named ``pooled``; each row gets its paired 95% interval of the accuracy difference as text."""
+    if ev.empty or "run_id" not in ev:
+        return ev
+    runs = ev.drop_duplicates("run_id")
+    stats = {c.removeprefix("overall."): runs[c] for c in runs.columns if c.startswith("overall.")}
+    rows = pd.concat([ev, runs.assign(task=pooled, **stats)], ignore_index=True)
+    order = {r: i for i, r in enumerate(ev["run_id"].drop_duplicates())}
+    rows = rows.sort_values("run_id", key=lambda r: r.map(order), kind="stable").reset_index(drop=True)
+    rows["diff_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in zip(numeric(rows, "ci95_low"), numeric(rows, "ci95_high"))]
+    return rows
+
+
 def _quality(df: pd.DataFrame) -> None:
     """The delta-NLL interval as numbers and as text, its verdict against 1% of the base NLL (summaries without an
     interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows
@@ -180,9 +206,8 @@ def _quality(df: pd.DataFrame) -> None:
     ci = [_ci(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
     df["delta_nll_low"] = [lo for lo, _ in ci]
     df["delta_nll_high"] = [hi for _, hi in ci]
-    df["delta_nll_ci_text"] = [f"[{lo:+.4f}, {hi:+.4f}]" if math.isfinite(lo) and math.isfinite(hi) else math.nan
-                               for lo, hi in ci]
-    base = _num(df, "nll_base")
+    df["delta_nll_ci_text"] = [interval_text(lo, hi, "+.4f") for lo, hi in ci]
+    base = numeric(df, "nll_base")
     df["nll_verdict"] = [verdict(c, NLL_TOLERANCE * b) if math.isfinite(b) else math.nan for c, b in zip(ci, base)]
     trace = df["trace"].astype(str).map(lambda t: Path(t).name) if "trace" in df else pd.Series("", index=df.index)
     if "workload" in df:
@@ -217,8 +242,8 @@ def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFr
     need = {"compression_ratio", "delta_nll_high", "nll_base", "windows"}
     if df.empty or not need <= set(df.columns):
         return pd.DataFrame()
-    d = df.assign(series=series_label(df), ratio=_num(df, "compression_ratio"), high=_num(df, "delta_nll_high"),
-                  base=_num(df, "nll_base"))
+    d = df.assign(series=series_label(df), ratio=numeric(df, "compression_ratio"), high=numeric(df, "delta_nll_high"),
+                  base=numeric(df, "nll_base"))
     ok = d[d["ratio"].notna() & d["base"].notna() & (d["high"] <= tol * d["base"])]
     if ok.empty:
         return pd.DataFrame()

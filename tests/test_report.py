@@ -143,13 +143,9 @@ def test_figures_with_nothing_to_plot_say_why():
 
 
 def test_results_readme_draft_has_every_section_and_keeps_hand_written_findings(runs, tmp_path):
-    import importlib.util
+    from kvbench import report_readme as rr
+    from kvbench.report import block
 
-    from kvbench.paths import repo_root
-
-    spec = importlib.util.spec_from_file_location("results_readme", repo_root() / "scripts" / "results_readme.py")
-    rr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rr)
     report, out = tmp_path / "results" / "report", tmp_path / "results" / "README.md"
     write_report([runs], report, ("png",))
     out.write_text(rr.render(runs, report, out))
@@ -159,8 +155,9 @@ def test_results_readme_draft_has_every_section_and_keeps_hand_written_findings(
         assert heading in text
     assert "](report/figures/rate_distortion.png)" in text and text.count(rr.FINDINGS_TODO) == 5
     assert "| smollm2_135m | sotu | smollm2-sotu-aaaa | kivi group_size=32 |" in text  # best within 1% NLL
-    text = text.replace(f"{rr.FINDINGS_OPEN.format(key='bound')}\n{rr.FINDINGS_TODO}",
-                        f"{rr.FINDINGS_OPEN.format(key='bound')}\nMeasured 4x above the bound.")
+    assert "| smollm2_135m | kivi bits=2 | 2.50 | 50 | 0.600 | 0.560 | -0.040 |" in text  # tasks pooled per run
+    text = text.replace(block("findings", "bound", rr.FINDINGS_TODO, rr.FINDINGS_WHY),
+                        block("findings", "bound", "Measured 4x above the bound.", rr.FINDINGS_WHY))
     out.write_text(text)
     again = rr.render(runs, report, out)
     assert "Measured 4x above the bound." in again and again.count(rr.FINDINGS_TODO) == 4
@@ -179,7 +176,9 @@ def test_report_modules_import_one_way():
 
     assert not {"kvbench.report", "kvbench.figures", "kvbench.report_tables"} & imports("report_data")
     assert not {"kvbench.report", "kvbench.figures"} & imports("report_tables")
-    assert not {"kvbench.report", "kvbench.report_tables"} & imports("figures")
+    for figures in ("plotting", "figures", "study_figures"):
+        assert not {"kvbench.report", "kvbench.report_tables", "kvbench.report_sections"} & imports(figures)
+    assert "kvbench.report" not in imports("report_sections")
 
 
 def test_one_column_list_serves_markdown_and_latex():
@@ -200,3 +199,135 @@ def test_a_cell_run_twice_is_reported_once_by_its_newest_run(tmp_path):
             _summary("kivi", 4.5, dnll, cell_key="abc", created=created, compressor_params={"name": "kivi"})))
     assert collect([tmp_path]).table["delta_nll"].tolist() == [0.04]
     assert len(collect([tmp_path], newest_only=False).table) == 2
+
+
+# ---- study sections on synthetic runs of their presets' cells -------------------------------------------------
+def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
+    """A summary of the cell's kind, with the fields its section reads, keyed and configured as the cell."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config import make_compressor
+
+    params = make_compressor(cell.cfg.compressor).describe()
+    s = {"compressor": params["name"], "model": "smollm2_135m", "dataset": "sotu", "compressor_params": params,
+         "cell_key": cell.key, "created": "2026-01-01T00:00:00", "config": OmegaConf.to_container(cell.cfg, resolve=True)}
+    bits = 1.0 + i % 7
+    if cell.kind == "eval":
+        task = {"n": 30, "acc_base": 0.5, "stderr_base": 0.09, "acc_comp": 0.5 - 0.01 * i, "stderr_comp": 0.09,
+                "diff": -0.01 * i, "stderr_diff": 0.02, "ci95_low": -0.01 * i - 0.04, "ci95_high": -0.01 * i + 0.04,
+                "mcnemar_p": 0.5, "identical_responses": 20}
+        return {**s, "bits_per_element": bits, "tasks": {"implicatures": task, "passkey_1k": task}, "overall": task}, []
+    if cell.kind == "latency":
+        rows = [{"context": t, "cache": cache, "prefill_s": 1.0, "compress_s": 0.1 * (cache == "compressed"),
+                 "decode_median_ms": 80.0, "decode_p95_ms": 90.0, "tokens_per_s": 12.0 / (1 + (cache == "compressed")),
+                 "bytes_held": t * 23040 / (1 + 3 * (cache == "compressed")), "peak_mem_bytes": 8e8,
+                 "tokens_match_dynamic": 1.0} for t in cell.cfg.latency.contexts for cache in ("dynamic", "compressed")]
+        ratios = {str(t): {"tokens_per_s": 0.5, "bytes_held": 0.25} for t in cell.cfg.latency.contexts}
+        return {**s, "kind": "latency", "rows": rows, "ratios": ratios, "loadavg_1m": [2.0, 3.0]}, rows
+    n_tok = 4096
+    s.update(n_tokens=n_tok, n_sequences=4, n_elements=n_tok * 11520, bits_per_element=bits,
+             bits_per_token=bits * 11520, bound_bits_per_token=5.07, compression_ratio=16 / bits, lossless=i % 3 == 0,
+             delta_nll=0.01 * (i % 5), nll_base=3.16, rel_mse_k=0.01, rel_mse_v=0.02, encode_MBps=80.0 + i,
+             decode_MBps=150.0, encode_s=4.0, decode_s=2.0 + i, dtype="float16", trace="/t/smollm2-sotu-aaaa",
+             side_info_bits=1000 * i, bits_by_part={"codes": 7e7, "frame": 2e3})
+    if s["compressor"] in ("delta", "speculative"):  # residual coders: where their bits go
+        s.update(bits_by_part={"k.residual": 7e7, "v.residual": 8e7, "scales": 2e5, "frame": 2e3},
+                 compressor_stats={"ideal_bits.k.residual": 6.9e7, "ideal_bits.v.residual": 7.9e7})
+    if cell.cfg.workload.get("_target_"):
+        share = float(cell.cfg.workload.get("target_share_rate", 0.6))
+        budget = params.get("budget_tokens")
+        s.update(workload=cell.cfg.workload._target_.split(".")[-2], max_abs_err_k=0.0,
+                 sharing={"share_rate": share, "sessions": 32, "tokens": 9000, "dedup_ratio": 1 / (1 - share),
+                          "ideal_hit_rate": share},
+                 prefix_cache={"hit_rate": share * (1 - 1 / (budget or 1e9)), "budget_tokens": budget,
+                               "request_hit_rate": 0.6, "prefill_tokens_saved": 1000, "memory_held_mean_tokens": 500.0,
+                               "memory_held_max_tokens": 512},
+                 shared_prefix_kv={"identical_pairs": 5, "pairs": 6, "max_abs_diff": 0.0078125,
+                                   "tokens_after_first_difference": 24})
+    return s, [{"layer": 0}]
+
+
+@pytest.fixture(scope="module")
+def study_runs(tmp_path_factory):
+    """One synthetic finished run for every cell of every study section, and a decoy: a run of a cell no preset
+    has (the per-vector TurboQuant cell at another context length)."""
+    from kvbench import results
+    from kvbench.experiments import Preset, cells
+    from kvbench.report_sections import SECTIONS
+
+    root = tmp_path_factory.mktemp("studies")
+    todo = [c for s in SECTIONS.values() for c in cells(s.presets)]
+    todo += cells([Preset("run", "per_vector_turboquant")], ["compressor.bits=2", "compressor.variant=mse",
+                                                             "dataset.seq_len=512"])
+    for i, cell in enumerate(dict((c.key, c) for c in todo).values()):
+        summary, rows = _synthetic(cell, i)
+        results.write(results.run_dir(root, cell.kind, summary["compressor"], cell.key, "1234567"), cell.kind, summary,
+                      rows, summary["config"])
+    return root / "runs"
+
+
+def _rows(md: str) -> list[str]:
+    return [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| compressor |")
+            and not ln.startswith("| target share") and not ln.startswith("| workload |")]
+
+
+def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_cells(study_runs, tmp_path):
+    from kvbench.report_sections import SECTIONS
+
+    studies = [s for s in SECTIONS if s != "overview"]
+    res = write_report([study_runs], tmp_path, ("png",), sections=studies)
+    assert not res["without_runs"] and not res["empty"], res["empty"]
+    figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
+               "prefix_sharing_composition", "accuracy", "end_to_end"}
+    assert set(res["figures"]) == figures
+    for name in figures:
+        assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
+    md = res["markdown"]
+    assert set(md) == set(studies)
+    assert len(_rows(md["per_vector"])) == 16  # not the decoy at 512 tokens
+    assert md["per_vector"].splitlines()[0].startswith("| compressor | bits | bits/elt | rel MSE K | rel MSE V |")
+    assert "| turboquant variant=mse | 2.5 | " in md["per_vector"] and "| kivi residual=0 | 4 | " in md["per_vector"]
+    assert md["sequential"].count("## ") == 2 and md["sequential"].startswith("## Rate, distortion")
+    assert "Trace: smollm2_135m / sotu, 4 sequences x 1024 tokens, float16 cache" in md["sequential"]
+    assert len(_rows(md["sequential"])) == 24 + 15 + 4  # every cell, then the residual coders' parts
+    assert md["prefix_sharing"].count("## ") == 4
+    assert len(_rows(md["prefix_sharing"])) == 21 + 4 + 24 + 16
+    assert "| unbounded |" in md["prefix_sharing"] and "| trie+kivi |" in md["prefix_sharing"]
+    assert len(_rows(md["accuracy"])) == 3 * 3  # two tasks and the pooled row per compressor
+    assert "| all | 30 |" in md["accuracy"]
+    assert len(_rows(md["end_to_end"])) == 2 * (3 * 3 + 2 + 2 * 1)  # both caches per context, per cell
+    assert "| DynamicCache (run of kivi) | 512 |" in md["end_to_end"] and "| 0.500 | 0.250 |" in md["end_to_end"]
+    for name in studies:
+        assert (tmp_path / f"{name}.md").read_text() == md[name]
+        assert r"\begin{tabular}" in (tmp_path / f"{name}.tex").read_text()
+
+
+def test_a_section_shows_its_cells_in_preset_order_and_the_cells_an_override_selects(study_runs):
+    from kvbench.report_data import collect
+    from kvbench.report_sections import section, select
+
+    got = collect([study_runs])
+    part = select(got, section("per_vector").presets)
+    assert list(part.table["preset"]) == ["per_vector_turboquant"] * 10 + ["per_vector_kivi"] * 6
+    assert list(part.table["compressor_params.bits"][:5]) == [2, 2.5, 3, 3.5, 4]
+    decoy = select(got, section("per_vector").presets, ["compressor.bits=2", "compressor.variant=mse",
+                                                        "dataset.seq_len=512"])
+    assert len(decoy.table) == 1 and decoy.table["cfg.dataset.seq_len"].item() == 512  # KIVI's preset left out
+
+
+def test_a_section_with_no_run_of_its_cells_writes_nothing(runs, tmp_path):
+    res = write_report([runs], tmp_path, ("png",), sections=["per_vector"])
+    assert res["without_runs"] == ["per_vector"] and not list(tmp_path.glob("per_vector*"))
+
+
+def test_a_generated_block_replaces_its_markers_contents_and_keeps_the_text_around(tmp_path):
+    from kvbench.report import blocks, put_block
+
+    md = tmp_path / "study.md"
+    md.write_text("# Study\n\nSetup.\n\n<!-- generated:study (old) -->\n| old |\n<!-- /generated -->\n\nFindings.\n")
+    put_block(md, "study", "| new |\n|---|\n", "written by a driver")
+    assert md.read_text() == ("# Study\n\nSetup.\n\n<!-- generated:study (written by a driver) -->\n| new |\n|---|\n"
+                              "<!-- /generated -->\n\nFindings.\n")
+    assert blocks(md.read_text(), "generated") == {"study": "| new |\n|---|"}
+    put_block(md, "other", "| x |", "why")
+    assert md.read_text().endswith("Findings.\n\n<!-- generated:other (why) -->\n| x |\n<!-- /generated -->\n")

@@ -1,0 +1,279 @@
+"""The report's sections: which runs each shows, and the tables and figures it makes of them.
+
+``overview`` shows every run under the report's dirs. Each study section shows the cells of its presets in
+``configs/experiment/``: the runs whose ``cell_key`` is one of theirs, in the presets' order, so a section finds
+exactly what its driver in ``scripts/`` ran, under any results root (cells run with extra overrides, e.g. a shorter
+window, are found with the same overrides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import pandas as pd
+
+from kvbench import study_figures
+from kvbench.experiments import Preset, cells
+from kvbench.figures import FIGURES, accuracy
+from kvbench.report_data import Collection, best_at_tolerance, numeric, series_label, with_pooled
+from kvbench.report_tables import BEST_COLUMNS, COLUMNS, EVAL_COLUMNS, LATENCY_COLUMNS, Column, pick
+
+
+@dataclass(frozen=True)
+class Table:
+    stem: str  # written to <out>/<stem>.md and .tex; the tables of one stem share the files, each under its title
+    frame: pd.DataFrame
+    columns: Sequence[Column]
+    title: str = ""
+    note: str = ""  # a paragraph above the Markdown table: the setting, the units
+    empty: str | None = None  # the Markdown when the frame is empty; None leaves the table out
+    csv: bool = False  # also <stem>.csv: every column of every row shown
+
+
+Figures = dict[str, tuple]  # name -> (Figure, "") or (None, why nothing was drawn)
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    presets: tuple[Preset, ...]  # the cells it shows; () shows every run
+    build: Callable[[Collection], tuple[list[Table], Figures]]
+
+
+def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] = ()) -> Collection:
+    """The rows of ``got`` that are runs of the presets' cells (each run with ``overrides`` added), in the
+    presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing."""
+    where: dict[tuple[str, str], tuple[int, str]] = {}
+    for preset in presets:  # a preset the overrides do not apply to has no cells here
+        for cell in cells([preset], overrides, unfit=lambda *_: None):
+            where.setdefault((cell.kind, cell.key), (len(where), preset.name))
+
+    def pick_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+        if df.empty or "cell_key" not in df:
+            return df.iloc[0:0]
+        found = [where.get((kind, k)) for k in df["cell_key"]]
+        keep = [f is not None for f in found]
+        out = df[keep].assign(_cell=[f[0] for f in found if f], preset=[f[1] for f in found if f])
+        return out.sort_values("_cell", kind="stable").drop(columns="_cell").reset_index(drop=True)
+
+    return replace(got, table=pick_rows(got.table, "run"), evals=pick_rows(got.evals, "eval"),
+                   latency=pick_rows(got.latency, "latency"))
+
+
+def _trace_note(d: pd.DataFrame) -> str:
+    """The trace every row was measured on, when they share one: model, windows, cache dtype, the bound."""
+    need = {"model", "dataset", "n_sequences", "n_tokens", "bound_bits_per_token"}
+    if d.empty or not need <= set(d.columns) or d[["model", "dataset", "n_sequences"]].nunique().max() > 1:
+        return ""
+    r = d.iloc[0]
+    t = int(r["n_tokens"]) // int(r["n_sequences"])
+    dtype = f", {r['dtype']} cache" if "dtype" in d else ""
+    return (f"Trace: {r['model']} / {r['dataset']}, {int(r['n_sequences'])} sequences x {t} tokens{dtype}; bound "
+            f"H(token | history) = {numeric(d, 'bound_bits_per_token').mean():.3f} bits/token. Times are per {t}-token "
+            "sequence.")
+
+
+# ---- overview -------------------------------------------------------------------------------------------------
+def overview(got: Collection) -> tuple[list[Table], Figures]:
+    df = got.table
+    tables = [Table("runs", df, COLUMNS, f"{len(df)} runs", empty="_no runs_\n", csv=True),
+              Table("best_at_1pct_nll", best_at_tolerance(df), BEST_COLUMNS, "highest ratio at <= 1% NLL regression",
+                    empty="_no run has both delta_nll and nll_base_\n")]
+    for stem, table, columns in (("eval", got.evals, EVAL_COLUMNS), ("latency", got.latency, LATENCY_COLUMNS)):
+        if not table.empty:
+            tables.append(Table(stem, table, columns, f"{stem}: {table['run_id'].nunique()} runs"))
+    frames = {"runs": df, "evals": got.evals, "latency": got.latency}
+    return tables, {name: make(frames[frame]) for name, (frame, make) in FIGURES.items()}
+
+
+# ---- per-vector quantizers ------------------------------------------------------------------------------------
+PER_VECTOR_COLUMNS = pick("compressor", "compressor_params.bits", "bits_per_element", "rel_mse_k", "rel_mse_v",
+                          "delta_nll", "delta_nll_ci_text", "encode_MBps", "decode_MBps",
+                          formats={"rel_mse_k": ".4f", "rel_mse_v": ".4f"})
+
+
+def per_vector(got: Collection) -> tuple[list[Table], Figures]:
+    d = got.table.assign(series=series_label(got.table))  # bits move a point along its compressor's curve
+    table = Table("per_vector", d.assign(compressor=d["series"]), PER_VECTOR_COLUMNS, "per-vector quantizers", csv=True)
+    return [table], {"per_vector": study_figures.per_vector(d)}
+
+
+# ---- sequential coders ----------------------------------------------------------------------------------------
+SEQUENTIAL_COLUMNS = pick("compressor", "bits_per_token", "x_bound", "compression_ratio", "bits_per_element",
+                          "lossless", "rel_mse_k", "rel_mse_v", "delta_nll", "delta_nll_ci_text", "encode_s_per_seq",
+                          "decode_s_per_seq", formats={"compression_ratio": ",.2f"})
+PARTS_COLUMNS = pick("compressor", "part.k_residual", "part.k_residual_ideal", "part.v_residual",
+                     "part.v_residual_ideal", "part.scales", "part.tokens", "part.tokens_ideal", "part.frame",
+                     "side_info_bits", "part.side_info")
+PARTS_NOTE = ("Per token: coded = the bitstream's parts; ideal = the coder's own model of them (sum of -log2 p); side "
+              "info = fitted weights and steps, charged once per run and here spread over the run's tokens.")
+
+
+def bits_per_part(d: pd.DataFrame) -> pd.DataFrame:
+    """Per token, each part of the residual coders' bitstreams (the rows that code a K residual), coded and as the
+    coder's model estimates it. Plain token ids have no model estimate: their size is their ideal."""
+    d = d[numeric(d, "bits_by_part.k.residual").notna()]
+    n = numeric(d, "n_tokens")
+    per = lambda col: numeric(d, col) / n  # noqa: E731
+    tokens = per("bits_by_part.tokens")
+    return d.assign(**{
+        "part.k_residual": per("bits_by_part.k.residual"),
+        "part.k_residual_ideal": per("compressor_stats.ideal_bits.k.residual"),
+        "part.v_residual": per("bits_by_part.v.residual"),
+        "part.v_residual_ideal": per("compressor_stats.ideal_bits.v.residual"),
+        "part.scales": per("bits_by_part.scales"),
+        "part.tokens": tokens,
+        "part.tokens_ideal": per("compressor_stats.tokens.ideal_token_bits").fillna(tokens),
+        "part.frame": (numeric(d, "bits_by_part.frame") + numeric(d, "bits_by_part.bounds").fillna(0)) / n,
+        "part.side_info": per("side_info_bits"),
+    })
+
+
+def sequential(got: Collection) -> tuple[list[Table], Figures]:
+    d = got.table.assign(series=series_label(got.table, exclude=()))
+    d = d.assign(compressor=d["series"])
+    tables = [Table("sequential", d, SEQUENTIAL_COLUMNS, "rate, distortion and time per cell", _trace_note(d)),
+              Table("sequential", bits_per_part(d), PARTS_COLUMNS, "where the residual coders' bits go", PARTS_NOTE)]
+    return tables, {"sequential": study_figures.sequential(d)}
+
+
+# ---- prefix sharing -------------------------------------------------------------------------------------------
+# a share rate or ratio near 1 needs three decimals to show what dedup gained; bits per token run to six figures
+PREFIX_FORMATS = {"sharing.share_rate": ".3f", "bits_per_token": ",.0f", "compression_ratio": ".3f",
+                  "sharing.dedup_ratio": ".3f"}
+SWEEP_COLUMNS = pick("cfg.workload.target_share_rate", "sharing.share_rate", "prefix_cache.hit_rate",
+                     "sharing.sessions", "sharing.tokens", "compressor", "bits_per_token", "compression_ratio",
+                     "sharing.dedup_ratio", "lossless", "max_abs_err_k", "shared_prefix_kv.identical_pairs",
+                     "shared_prefix_kv.pairs", "shared_prefix_kv.max_abs_diff",
+                     "shared_prefix_kv.tokens_after_first_difference", formats=PREFIX_FORMATS)
+FAMILY_COLUMNS = pick("workload", "sharing.sessions", "sharing.tokens", "sharing.share_rate", "sharing.ideal_hit_rate",
+                      "bits_per_token", "compression_ratio", "sharing.dedup_ratio", "lossless",
+                      "shared_prefix_kv.identical_pairs", "shared_prefix_kv.pairs", "shared_prefix_kv.max_abs_diff",
+                      formats=PREFIX_FORMATS)
+BUDGET_COLUMNS = pick("compressor", "budget", "prefix_cache.hit_rate", "prefix_cache.request_hit_rate",
+                      "prefix_cache.prefill_tokens_saved", "prefix_cache.memory_held_mean_tokens",
+                      "prefix_cache.memory_held_max_tokens", "bits_per_token", "compression_ratio", formats=PREFIX_FORMATS)
+COMPOSITION_COLUMNS = pick("workload", "compressor", "bits_per_token", "compression_ratio", "lossless", "rel_mse_k",
+                           "rel_mse_v", "delta_nll", "delta_nll_ci_text", formats=PREFIX_FORMATS)
+
+
+def composition_label(d: pd.DataFrame) -> pd.Series:
+    """A compressor alone by its name, inside the trie as trie+<inner>."""
+    if d.empty:
+        return pd.Series(dtype=str)
+    inner = d["compressor_params.inner.name"] if "compressor_params.inner.name" in d else pd.Series(index=d.index)
+    return d["compressor"].astype(str).where(inner.isna(), "trie+" + inner.astype(str))
+
+
+def prefix_sharing(got: Collection) -> tuple[list[Table], Figures]:
+    d = got.table
+    part = {name: d[d["preset"].str.startswith(f"prefix_sharing_{name}")] if "preset" in d else d.iloc[0:0]
+            for name in ("sweep", "families", "budget", "compose")}
+    sweep = part["sweep"].assign(series=series_label(part["sweep"], exclude=()))
+    families = part["families"].assign(series=series_label(part["families"], exclude=()))
+    families = families.sort_values("sharing.share_rate") if "sharing.share_rate" in families else families
+    budget = part["budget"].assign(series=series_label(part["budget"], exclude=("budget_tokens",)))
+    budget["budget"] = [f"{int(b)}" if pd.notna(b) else "unbounded" for b in numeric(budget, "prefix_cache.budget_tokens")]
+    compose = part["compose"].assign(series=composition_label(part["compose"]))
+    if not compose.empty:  # each compressor alone, then inside the trie
+        inner = compose["series"].str.removeprefix("trie+")
+        first = {c: i for i, c in enumerate(dict.fromkeys(inner))}
+        compose = compose.assign(_o=inner.map(first), _t=compose["series"].str.startswith("trie+"))
+        compose = compose.sort_values(["workload", "_o", "_t"], kind="stable").drop(columns=["_o", "_t"])
+    tables = [Table("prefix_sharing", sweep.assign(compressor=sweep["series"]), SWEEP_COLUMNS,
+                    "mixed-workload sweep (trie, unbounded)"),
+              Table("prefix_sharing", families, FAMILY_COLUMNS, "single-family workloads (trie, unbounded)"),
+              Table("prefix_sharing", budget.assign(compressor=budget["series"]), BUDGET_COLUMNS,
+                    "prefix cache under a budget"),
+              Table("prefix_sharing", compose.assign(compressor=compose["series"]), COMPOSITION_COLUMNS,
+                    "composition: each compressor alone and inside the trie")]
+    figures = {"prefix_sharing_ratio": study_figures.prefix_sharing_ratio(sweep, families),
+               "prefix_sharing_budget": study_figures.prefix_sharing_budget(budget),
+               "prefix_sharing_composition": study_figures.prefix_sharing_composition(compose)}
+    return tables, figures
+
+
+# ---- the compressed cache in the loop: task accuracy and end-to-end latency -----------------------------------
+ACCURACY_COLUMNS = pick("compressor", "bits_per_element", "task", "n", "acc_base", "stderr_base", "acc_comp",
+                        "stderr_comp", "diff", "diff_ci_text", "mcnemar_p", "identical_responses",
+                        formats={"bits_per_element": ".2f"})
+ACCURACY_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 95% interval; McNemar = exact "
+                 "test on the examples that flipped; same responses = raw responses equal to the baseline's.")
+
+
+def accuracy_study(got: Collection) -> tuple[list[Table], Figures]:
+    ev = with_pooled(got.evals)
+    ev = ev.assign(compressor=series_label(ev, exclude=())) if not ev.empty else ev
+    return ([Table("accuracy", ev, ACCURACY_COLUMNS, "task accuracy, compressed against 16-bit", ACCURACY_NOTE,
+                   csv=True)],
+            {"accuracy": accuracy(ev)})
+
+
+END_TO_END_COLUMNS = pick("compressor", "context", "prefill_s", "compress_s", "decode_median_ms", "decode_p95_ms",
+                          "tokens_per_s", "mb_held", "peak_mem_mb", "ratio_tokens_per_s", "ratio_bytes",
+                          "tokens_match_dynamic", "load_1m",
+                          formats={"prefill_s": ".2f", "compress_s": ".2f", "decode_median_ms": ".0f",
+                                   "decode_p95_ms": ".0f", "tokens_per_s": ".2f"})
+END_TO_END_NOTE = ("Ratios are compressed / DynamicCache of the same run (compare within a run: the machine's load "
+                   "differs between runs); peak RSS is the whole process's, model included.")
+
+
+def _mean_of_list(text) -> float:
+    try:
+        values = json.loads(text) if isinstance(text, str) else []
+        return float(pd.Series(values, dtype=float).mean()) if values else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def end_to_end_rows(lat: pd.DataFrame) -> pd.DataFrame:
+    """Latency rows with the compressed cache's ratios to the 16-bit cache of its run (on its own rows), MB and the
+    run's mean load; the 16-bit rows are named after the run they belong to."""
+    if lat.empty:
+        return lat
+    label = series_label(lat, exclude=())
+    compressed = lat["cache"].astype(str) == "compressed"
+
+    def ratio(what: str) -> list[float]:  # summary["ratios"][context][what], flattened per context
+        return [pd.to_numeric(r.get(f"ratios.{int(r['context'])}.{what}"), errors="coerce") if ok else math.nan
+                for (_, r), ok in zip(lat.iterrows(), compressed)]
+
+    return lat.assign(compressor=label.where(compressed, "DynamicCache (run of " + label + ")"),
+                      mb_held=numeric(lat, "bytes_held") / 1e6, peak_mem_mb=numeric(lat, "peak_mem_bytes") / 1e6,
+                      ratio_tokens_per_s=ratio("tokens_per_s"), ratio_bytes=ratio("bytes_held"),
+                      load_1m=lat["loadavg_1m"].map(_mean_of_list) if "loadavg_1m" in lat else math.nan,
+                      series=label)
+
+
+def end_to_end(got: Collection) -> tuple[list[Table], Figures]:
+    lat = end_to_end_rows(got.latency)
+    return ([Table("end_to_end", lat, END_TO_END_COLUMNS, "decode latency and memory", END_TO_END_NOTE, csv=True)],
+            {"end_to_end": study_figures.end_to_end(lat)})
+
+
+def _presets(kind: str, *names: str) -> tuple[Preset, ...]:
+    return tuple(Preset(kind, n) for n in names)
+
+
+MATCHED_BITS = ("matched_bits", "matched_bits_turboquant")
+SECTIONS = {s.name: s for s in (
+    Section("overview", (), overview),
+    Section("per_vector", _presets("run", "per_vector_turboquant", "per_vector_kivi"), per_vector),
+    Section("sequential", _presets("run", "sequential", "sequential_delta", "sequential_delta_bits",
+                                   "sequential_speculative"), sequential),
+    Section("prefix_sharing", _presets("run", "prefix_sharing_sweep", "prefix_sharing_budget",
+                                       "prefix_sharing_families", "prefix_sharing_compose",
+                                       "prefix_sharing_compose_kivi", "prefix_sharing_compose_pipeline"),
+            prefix_sharing),
+    Section("accuracy", _presets("eval", *MATCHED_BITS), accuracy_study),
+    Section("end_to_end", _presets("latency", *MATCHED_BITS, "latency_lossless", "latency_model"), end_to_end),
+)}
+
+
+def section(name: str) -> Section:
+    if name not in SECTIONS:
+        raise ValueError(f"unknown report section {name!r}; one of {sorted(SECTIONS)}")
+    return SECTIONS[name]

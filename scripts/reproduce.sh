@@ -12,9 +12,11 @@
 #   RESULTS=/tmp/r QUICK=1 scripts/reproduce.sh   # somewhere else than results/ (a smoke test of this script)
 #
 # The sweeps' runs go to $RESULTS/sweeps/reproduce/runs (git-ignored), emptied at the start; the per-part studies
-# (FINDINGS=1: scripts/per_vector.py, sequential.py, prefix_sharing.py, accuracy.py, latency.py) keep their own
-# runs under $RESULTS/runs and reuse finished cells. Every timed cell runs under the machine's benchmark lock, so
-# its encode/decode times are not shared with other jobs that take the lock.
+# (FINDINGS=1: scripts/per_vector.py, sequential.py, prefix_sharing.py, accuracy.py, latency.py, each running the
+# presets configs/experiment/<part>*.yaml) keep their own runs under $RESULTS/runs ($RESULTS/sweeps/sequential for
+# sequential) and reuse finished cells; their tables and figures are sections of $RESULTS/report beside the
+# overview. Every timed cell runs under the machine's benchmark lock, so its encode/decode times are not shared with
+# other jobs that take the lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,14 +90,18 @@ T0=$SECONDS
 
 "$PY" -m kvbench assets --model smollm2_135m --model gemma3_270m --data sotu --data bigbench
 
-# From scratch: this script's runs, report and README; traces too unless KEEP_TRACES=1.
-rm -rf "$SWEEPS" "$RESULTS/report"
+# From scratch: this script's runs and README, traces too unless KEEP_TRACES=1; the report too when the studies
+# write their sections again (without FINDINGS=1 the overview is rewritten in place beside their committed sections).
+rm -rf "$SWEEPS"
+if [[ "${FINDINGS:-0}" == 1 ]]; then
+    rm -rf "$RESULTS/report"
+fi
 if [[ "${KEEP_TRACES:-0}" != 1 ]]; then
     rm -rf "$HOME_DIR/traces" "$HOME_DIR/sessions"
 fi
 
-# 1. Optional: the per-part studies (results/<part>.md, results/figures/). They need the packaged models and run
-#    for an hour or more each (recompute and the model predictor decode token by token at 4 x 1024 tokens).
+# 1. Optional: the per-part studies (results/<part>.md, sections of results/report/). They need the packaged models
+#    and run for an hour or more each (recompute and the model predictor decode token by token at 4 x 1024 tokens).
 if [[ "${FINDINGS:-0}" == 1 ]]; then
     for script in per_vector sequential prefix_sharing accuracy latency; do
         if [[ ! -f scripts/$script.py ]]; then
@@ -103,13 +109,14 @@ if [[ "${FINDINGS:-0}" == 1 ]]; then
             exit 1
         fi
     done
-    # sequential.py and latency.py take the benchmark lock per cell themselves; accuracy times nothing
-    step "per-vector (SmolLM2)" locked "$PY" scripts/per_vector.py
-    step "sequential (SmolLM2)" "$PY" scripts/sequential.py
-    step "prefix sharing (SmolLM2)" locked "$PY" scripts/prefix_sharing.py run
-    step "prefix sharing figures" "$PY" scripts/prefix_sharing.py figures
-    step "accuracy (SmolLM2)" "$PY" scripts/accuracy.py
-    step "latency (SmolLM2)" "$PY" scripts/latency.py
+    # each takes the benchmark lock for every cell it times (not around itself: that would lock its own cells
+    # out); accuracy times nothing
+    study() { KVBENCH_RESULTS=$RESULTS "$PY" "scripts/$1.py"; }
+    step "per-vector (SmolLM2)" study per_vector
+    step "sequential (SmolLM2)" study sequential
+    step "prefix sharing (SmolLM2)" study prefix_sharing
+    step "accuracy (SmolLM2)" study accuracy
+    step "latency (SmolLM2)" study latency
 fi
 
 # 2. Sweeps behind the report's figures, per model (presets in configs/experiment/).

@@ -1,36 +1,34 @@
-"""The study scripts find finished runs only through kvbench.results, by cell key: none keeps its own matching."""
+"""The studies are presets plus report sections: every preset composes for the commands its header names, the
+drivers in scripts/ stay thin (no run matching, no figure style, no figure written outside the report's folder),
+and a cell a driver runs is the one its section shows."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
-import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import results
 from kvbench.cells import run_cell
-from kvbench.config import make_compressor
+from kvbench.config import CONFIG_DIR, available
+from kvbench.experiments import Preset, cells, sweep_params
 from kvbench.paths import repo_root
+from kvbench.report import write_report
+from kvbench.report_sections import SECTIONS
 
 SCRIPTS_DIR = repo_root() / "scripts"
 SCRIPTS = sorted(SCRIPTS_DIR.glob("*.py"))
+BENCHMARKS = ("bench_", "byte_planes")  # measure on their own; every other script drives a study
+DRIVERS = [p for p in SCRIPTS if not p.name.startswith(BENCHMARKS)]
 # a run directory's files, named as a path or a string of their own
 RUN_FILE = re.compile(r"""[/"'](summary|eval|latency|config)\.json["']""")
 RUNS_GLOB = re.compile(r"""glob\(\s*f?["']runs/""")
 JSON_OF_FILE = re.compile(r"json\.loads\((.+?)\.read_text\(\)\)")
 # what the scripts used to key and match runs with, and the library helpers that are gone
-OWN_MATCHING = ("_LATER_FIELDS", "_key", "_matches", "latest_per_config", "finished_runs", "run_dir_for", "write_run",
-                "config_hash", "measured_fields", "cli_loop", "workload_runner")
-
-
-def _script(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS_DIR))  # as when run as `python scripts/NAME.py`
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+OWN_MATCHING = ("_LATER_FIELDS", "_key", "_matches", "latest_per_config", "finished_runs", "finished_run",
+                "run_dir_for", "write_run", "config_hash", "measured_fields", "cli_loop", "workload_runner", "study_cells")
+# the command a preset's header names: python -m kvbench KIND -m +experiment=NAME
+DOCUMENTED = re.compile(r"^#\s+python -m kvbench (run|eval|latency) -m \+experiment=(\w+)", re.M)
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
@@ -48,55 +46,71 @@ def test_no_script_reads_or_matches_runs_itself(path):
     assert ".side_info_bits(" not in text, "the summary's codec_bits"
 
 
-def test_sequential_finds_every_cell_by_its_cell_key_and_nothing_else(tmp_path, monkeypatch):
-    seq = _script("sequential", monkeypatch)
-    rows = seq.cells()
-    assert any(name == "speculative" for _, name, _ in rows)
-    keys = []
-    for label, name, ov in rows[1:]:  # the first cell is left without a run
-        cfg = seq.cell_config(name, ov, tmp_path)
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        key = results.cell_key(cfg_dict, make_compressor(cfg.compressor).describe())
-        keys.append(key)
-        results.write(results.run_dir(tmp_path, "run", name, key, "1234567abc"), "run",
-                      {"cell_key": key, "label": label, "created": "2026-01-01T00:00:00"}, [{"x": 1}], cfg_dict)
-    assert len(set(keys)) == len(keys), "two cells of the list are one cell"
-    # a run of another cell of the same compressor must not stand in for the missing one
-    label, name, ov = rows[0]
-    other = seq.cell_config(name, [*ov, "dataset.seq_len=512"], tmp_path)
-    other_key = results.cell_key(OmegaConf.to_container(other, resolve=True), make_compressor(other.compressor).describe())
-    results.write(results.run_dir(tmp_path, "run", name, other_key, "1234567abc"), "run",
-                  {"cell_key": other_key, "label": "decoy", "created": "2026-01-01T00:00:00"}, [], {})
-    found = seq.load(rows, tmp_path)
-    assert [s["label"] for _, _, s in found] == [r[0] for r in rows[1:]]
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_no_script_styles_or_draws_figures(path):
+    text = path.read_text()
+    assert not re.search(r"^\s*(STYLE|COLORS|MARKERS)\s*=", text, re.M), "one style: kvbench.plotting"
+    assert "matplotlib" not in text and "savefig" not in text, "figures are report sections (kvbench.study_figures)"
 
 
-def test_a_cell_run_by_run_cell_is_the_one_the_scripts_find(tiny_cfg, tiny_handle, monkeypatch):
-    study = _script("study_cells", monkeypatch)
-    cell = ("+compressor=kivi", "compressor.residual=0")
-    assert study.finished_run("run", tiny_cfg(*cell)) is None
-    out = run_cell("run", tiny_cfg(*cell), tiny_handle)
-    found = study.finished_run("run", tiny_cfg(*cell))
-    assert found["_dir"] == str(out.path) and found["cell_key"] == study.key(tiny_cfg(*cell))
-    assert run_cell("run", tiny_cfg(*cell), tiny_handle).reused
-    assert study.finished_run("run", tiny_cfg(*cell, "compressor.bits=3")) is None
+def test_figures_are_written_only_by_the_report_into_its_figures_folder():
+    writers = [p.name for p in (repo_root() / "kvbench").rglob("*.py") if "savefig(" in p.read_text()]
+    assert writers == ["report.py"]
+    assert '"figures"' in (repo_root() / "kvbench" / "report.py").read_text()
 
 
-def test_prefix_sharing_reads_the_newest_workload_run_of_each_cell(tmp_path, monkeypatch):
-    ps = _script("prefix_sharing", monkeypatch)
-    monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path))
-    for key, created, sha, workload in [("a" * 12, "2026-01-01", "1111111", "mixed"),
-                                        ("a" * 12, "2026-02-01", "2222222", "mixed"),
-                                        ("b" * 12, "2026-01-01", "1111111", None)]:
-        summary = {"cell_key": key, "created": created, "compressor": "trie"}
-        if workload:
-            summary["workload"] = workload
-        results.write(results.run_dir(tmp_path, "run", "trie", key, sha), "run", summary, [], {})
-    assert [s["created"] for s in ps.load()] == ["2026-02-01"]
+@pytest.mark.parametrize("path", DRIVERS, ids=lambda p: p.name)
+def test_study_drivers_are_thin_and_name_a_report_section(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 40, "a driver runs presets and writes a report section; the rest is library"
+    if path.name != "results_readme.py":
+        name = re.search(r"""main\(\s*["'](\w+)["']""", text)
+        assert name and name.group(1) in SECTIONS, "a driver runs the presets of a report section"
 
 
-def test_results_readme_keeps_the_newest_run_of_each_cell_in_table_order(monkeypatch):
-    rr = _script("results_readme", monkeypatch)
-    df = pd.DataFrame({"cell_key": ["a", "b", "a", float("nan"), float("nan")],
-                       "created": ["1", "1", "2", "1", "1"], "run_id": ["a1", "b1", "a2", "x", "y"]})
-    assert list(rr.newest_run_per_cell(df)["run_id"]) == ["b1", "a2", "x", "y"]
+def test_every_section_preset_is_a_file_whose_header_names_its_command():
+    documented = {(kind, name) for p in (CONFIG_DIR / "experiment").glob("*.yaml")
+                  for kind, name in DOCUMENTED.findall(p.read_text())}
+    for sec in SECTIONS.values():
+        for preset in sec.presets:
+            assert (preset.kind, preset.name) in documented, f"{preset.name}.yaml names no `{preset.kind} -m` command"
+
+
+@pytest.mark.parametrize("name", available("experiment"))
+def test_every_preset_composes_for_each_command_its_header_names(name):
+    path = CONFIG_DIR / "experiment" / f"{name}.yaml"
+    commands = [(kind, n) for kind, n in DOCUMENTED.findall(path.read_text()) if n == name]
+    assert commands, f"{path.name}: document the command that runs it in its header"
+    written = OmegaConf.load(path).hydra.sweeper.params
+    for kind, _ in commands:
+        preset = Preset(kind, name)
+        assert set(sweep_params(preset)) == set(written)
+        got = cells([preset])
+        assert got and all(c.cfg.get("compressor") is not None for c in got)
+        assert len({c.key for c in got}) == len(got), f"two cells of {name} are one cell"
+
+
+def test_overrides_replace_an_axis_and_leave_out_the_presets_they_do_not_fit():
+    left_out = []
+    got = cells(SECTIONS["per_vector"].presets, ["compressor.variant=mse", "compressor.bits=3"],
+                unfit=lambda p, _: left_out.append(p.name))
+    assert [c.overrides[:3] for c in got] == [("+compressor=turboquant", "compressor.variant=mse", "compressor.bits=3")]
+    assert left_out == ["per_vector_kivi"]
+    with pytest.raises(Exception, match="variant"):
+        cells(SECTIONS["per_vector"].presets, ["compressor.variant=mse"])
+
+
+def test_a_cell_run_by_run_cell_is_the_one_its_section_shows(tmp_path, text_file, tiny_handle, monkeypatch):
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
+    tiny = ["model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}", "dataset.seq_len=64",
+            "dataset.eval_len=16", "dataset.n_sequences=2", "dataset.n_calib=1", "compressor.residual=0",
+            "compressor.bits=2"]
+    (cell,) = cells(SECTIONS["per_vector"].presets, tiny, tmp_path, unfit=lambda *_: None)
+    out = run_cell(cell.kind, cell.cfg, tiny_handle)
+    assert out.summary["cell_key"] == cell.key and run_cell(cell.kind, cell.cfg, tiny_handle).reused
+    res = write_report([tmp_path / "runs"], tmp_path / "report", ("png",), ["per_vector"], tiny)
+    rows = [ln for ln in res["markdown"]["per_vector"].splitlines() if ln.startswith("| kivi")]
+    assert len(rows) == 1 and rows[0].startswith("| kivi | 2 | ")
+    assert (tmp_path / "report" / "figures" / "per_vector.png").exists()
+    assert write_report([tmp_path / "runs"], tmp_path / "other", ("png",), ["per_vector"])["without_runs"] == [
+        "per_vector"], "the default cells (1024-token windows) were not run"

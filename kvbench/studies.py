@@ -1,0 +1,72 @@
+"""A per-part study end to end, for its driver in ``scripts/``: run the cells of its report section's presets that
+have no finished run, then write the section into the report (``<results>/report``: tables, and figures in its
+``figures/``) and, for a study whose findings file keeps its table between markers, the table there.
+
+    python scripts/NAME.py [--no-run] [--force] [--cells] [OVERRIDE ...]
+
+OVERRIDEs (Hydra syntax) apply to every cell and replace a preset's axis of the same key, e.g.
+``compressor.bits=3 dataset.seq_len=256``; a preset they do not apply to is left out (``compressor.variant=mse``
+leaves out KIVI's); the report then shows the cells as run with them. ``paths.results=DIR`` (or KVBENCH_RESULTS)
+puts the runs, the report and the findings file under DIR instead of results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvbench.experiments import cells, run_in_process, run_isolated
+from kvbench.paths import results_root
+from kvbench.report import put_block, write_report
+from kvbench.report_sections import section
+
+#: what a findings file's generated block says of itself
+WHY = "report section {name}: regenerated from its runs by its driver in scripts/; edits here are overwritten"
+
+
+def main(name: str, description: str, argv: list[str] | None = None, runs: str = "", lock: bool = False,
+         isolate: bool = False, slow: tuple[str, ...] = (), findings: str | None = None) -> int:
+    """The study of report section ``name``. ``runs``: where under the results root its cells' runs go (default: the
+    root itself, so results/runs); ``lock``: each measured cell under the benchmark lock; ``isolate``: one process
+    per cell; ``slow``: compressor configs to run last (minutes per window); ``findings``: the Markdown file under
+    the results root whose marked block gets the section's table."""
+    ap = argparse.ArgumentParser(description=description, epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-run", action="store_true", help="only write the report from the runs already there")
+    ap.add_argument("--force", action="store_true", help="measure cells again that already have a finished run")
+    ap.add_argument("--cells", action="store_true", help="print each cell's command and stop")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every cell")
+    args = ap.parse_args(argv)
+    # paths.results= moves everything, as KVBENCH_RESULTS does: the runs, the report and the findings file
+    given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("paths.results=")]
+    overrides = [o for o in args.overrides if not o.startswith("paths.results=")]
+    base = results_root(given[-1] if given else None)
+    root = base / runs
+    todo = cells(section(name).presets, overrides, root,
+                 unfit=lambda p, e: print(f"{p.name}: left out ({str(e).splitlines()[0]})", file=sys.stderr))
+    if not todo:
+        print(f"no cell of {name} takes {' '.join(overrides)}", file=sys.stderr)
+        return 2
+    if args.cells:
+        print("\n".join(c.command for c in todo))
+        return 0
+    failed = []
+    if not args.no_run:
+        todo.sort(key=lambda c: any(f"+compressor={s}" in c.overrides for s in slow))  # stable: the rest keep order
+        failed = run_isolated(todo, lock) if isolate else run_in_process(todo, args.force, lock)
+    out = base / "report"
+    res = write_report([root / "runs"], out, sections=[name], overrides=overrides)
+    if name in res["without_runs"]:
+        print(f"no finished run of any {name} cell under {root / 'runs'}", file=sys.stderr)
+        return 1
+    for stem, text in res["markdown"].items():
+        print(f"== {out / stem}.md\n{text}")
+    for fig, why in res["empty"].items():
+        print(f"figure {fig}: nothing to plot ({why})", file=sys.stderr)
+    if findings:
+        md = base / findings
+        put_block(md, name, res["markdown"][name], WHY.format(name=name))
+        print(f"-> {md}")
+    if failed:
+        print(f"{len(failed)} cell(s) failed:\n" + "\n".join(c.command for c in failed), file=sys.stderr)
+    return 1 if failed else 0

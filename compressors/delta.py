@@ -31,6 +31,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ class Delta(Compressor):
 
     # ---- fitting and codec state -------------------------------------------------------------------------------
 
-    def fit(self, calib) -> None:
+    def fit(self, calib, config: Any = None) -> None:
         self._stats = Counter()
         self._predictors, self._steps, self._step_bytes = self._new_predictors(), {}, {}
         for kind in KINDS:

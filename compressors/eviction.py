@@ -269,11 +269,11 @@ class Eviction(Compressor):
 
     # ---- fitted state of the inner compressor, delegated as in the pipeline
 
-    def fit(self, calib: Sequence[KVSequence]) -> None:
+    def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Fit the inner compressor on the calibration windows (all their tokens: the kept ones are a subset of
         the same distribution, and a scorer that needs the model has none here)."""
         if self.inner is not None:
-            self.inner.fit(calib)
+            self.inner.fit(calib, config=config)
 
     def state(self) -> dict[str, Section]:
         return {} if self.inner is None else {f"inner/{k}": v for k, v in self.inner.state().items()}

@@ -65,9 +65,10 @@ class Pipeline(SetCompressor):
         # instance attributes: what the harness expects depends on the inner stage
         self.lossless = bool(self.inner.lossless and self.dedup.lossless)
         self.needs_model = bool(self.inner.needs_model)
+        self.needs_config = bool(self.inner.needs_config)
 
-    def fit(self, calib: Sequence[KVSequence]) -> None:
-        self.inner.fit(calib)
+    def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
+        self.inner.fit(calib, config=config)
 
     def state(self) -> dict[str, Section]:
         return {f"inner/{k}": v for k, v in self.inner.state().items()}

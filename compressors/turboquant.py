@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -170,7 +170,7 @@ class TurboQuant(Compressor):
             self._plans[key] = _Plan(d, make_rotation(self.rotation, d, seed), groups, sketch)
         return self._plans[key]
 
-    def fit(self, calib: list[KVSequence]) -> None:
+    def fit(self, calib: list[KVSequence], config: Any = None) -> None:
         """Nothing to learn (the method is data-oblivious); builds the codebooks and rotation ahead of timing."""
         for kv in calib[:1]:
             self._plan(kv.shape[-1], self.seed)

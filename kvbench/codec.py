@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvbench.atomic import write_bytes
 from kvbench.coding.bitstream import Bitstream
@@ -81,7 +82,7 @@ def state_cache_path(compressor: Compressor, calib_id: str) -> Path | None:
 
 
 def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], device: str = "cpu",
-            cache: Path | None = None) -> Codec:
+            cache: Path | None = None, config: Any = None) -> Codec:
     """Fit ``compressor`` on ``calib()`` (read only when it learns anything) and rebuild its decoder from bytes.
 
     With ``cache`` (see :func:`state_cache_path`), state fitted earlier on the same calibration set is loaded from
@@ -96,7 +97,7 @@ def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], d
         return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True)
     windows = list(calib())
     with watch():
-        compressor.fit(windows)
+        compressor.fit(windows, config=config)
     state = state_bytes(compressor)
     if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
         write_bytes(cache, state)

@@ -35,8 +35,10 @@ class Compressor(abc.ABC):
     #: True when encoder and decoder need ``ctx.config``, the model's config (e.g. to undo RoPE)
     needs_config: ClassVar[bool] = False
 
-    def fit(self, calib: Sequence[KVSequence]) -> None:
-        """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones)."""
+    def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
+        """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is
+        the model's config (free, as in :class:`~kvbench.kv.Context`), given to compressors that declare
+        ``needs_config`` (e.g. to undo RoPE on the calibration keys)."""
 
     @abc.abstractmethod
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream: ...

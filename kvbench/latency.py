@@ -121,7 +121,8 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     contexts = [int(c) for c in lat.contexts]
     if not contexts or min(contexts) < 2:
         raise ValueError(f"latency.contexts={contexts} must list context lengths of at least 2 tokens")
-    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device).fit_s
+    config = handle.model.config if compressor.needs_config else None
+    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
     model = handle.model
     model_dtype = cache_dtype(cfg.dtype) if lat.model_dtype == "cache" else getattr(torch, str(lat.model_dtype))
     model.to(model_dtype)

@@ -93,7 +93,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     model_ref = handle if compressor.needs_model else None
     config = handle.config if compressor.needs_config else None
 
-    codec = prepare(compressor, source.calib, cfg.device, state_cache_path(compressor, source.calib_id))
+    codec = prepare(compressor, source.calib, cfg.device, state_cache_path(compressor, source.calib_id), config)
     kvs = [it.kv for it in source.items]
     enc_ctxs = []
     for it in source.items:

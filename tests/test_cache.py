@@ -201,7 +201,7 @@ def _refusal(comp: Compressor, model, ids: torch.Tensor) -> str | None:
         pre = model(ids, cache=DynamicCache(), use_cache=True).cache
     k = torch.cat([layer.keys for layer in pre.layers]).to(torch.float16)  # (L, H, T, D)
     v = torch.cat([layer.values for layer in pre.layers]).to(torch.float16)  # (L, H, T, D)
-    ctx = Context(*k.shape, torch.float16, SimpleNamespace(model=model, tokenizer=None))
+    ctx = Context(*k.shape, torch.float16, SimpleNamespace(model=model, tokenizer=None), config=model.config)
     try:
         comp.encode(KVSequence(k, v, ids[0]), ctx)
     except BitstreamError:
@@ -216,7 +216,7 @@ def test_every_registered_compressor_runs_in_the_loop(name, tiny_model, random_k
     comp = make_compressor(compose([f"+compressor={name}"]).compressor)
     if "head_dim" in {f.name for f in dataclasses.fields(comp)}:
         pytest.skip(f"{name} is built for one head_dim")
-    comp.fit([random_kv(L=2, H=2, T=64, D=16, seed=s) for s in (11, 12)])
+    comp.fit([random_kv(L=2, H=2, T=64, D=16, seed=s) for s in (11, 12)], config=tiny_model.config)
     ids = _ids(48, seed=7)
     if (why := _refusal(comp, tiny_model, ids)) is not None:
         pytest.skip(f"{name} refused the tiny model's KV: {why}")

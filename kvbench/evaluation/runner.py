@@ -48,7 +48,8 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
     _quiet_lm_eval()
     handle = handle or ModelHandle(cfg.model, cfg.device)
     torch.manual_seed(int(cfg.seed))
-    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device).fit_s
+    config = handle.model.config if compressor.needs_config else None
+    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
     specs = specs if specs is not None else task_specs(list(cfg.tasks), cfg, handle.tokenizer)
     lm = CompressedKVLM(handle, compressor, residual=cfg.cache.residual, chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode),
                         dtype=cache_dtype(cfg.dtype), progress=progress)

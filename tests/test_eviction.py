@@ -214,7 +214,7 @@ class _Fitted(Compressor):
 
     name = "fitted_test"
 
-    def fit(self, calib):
+    def fit(self, calib, config=None):
         self.learned = float(calib[0].k.float().mean())
 
     def state(self):

@@ -101,19 +101,46 @@ def test_more_bits_less_error(trace):
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
 
 
-def test_stream_holds_codes_and_one_norm_per_vector(trace):
+def test_stream_holds_exact_sinks_codes_and_one_norm_per_vector(trace):
     comp, kv, ctx = fitted(trace, bits=2)
     L, H, T, D = kv.shape
+    C = T - 4  # the coded tokens after the 4 sinks
     bs = comp.encode(kv, ctx)
-    assert bs.parts["k.codes2"] == bs.parts["v.codes2"] == 2 * kv.k.numel()
-    assert bs.parts["k.norm"] == bs.parts["v.norm"] == 16 * L * T  # vector=token: one float16 norm per token
+    assert bs.parts["k.sinks"] == bs.parts["v.sinks"] == 16 * L * H * 4 * D
+    assert bs.parts["k.codes2"] == bs.parts["v.codes2"] == 2 * L * H * C * D
+    assert bs.parts["k.norm"] == bs.parts["v.norm"] == 16 * L * C  # vector=token: one float16 norm per token
     head = AquaKV(bits=2, vector="head")
     head.fit(trace[1])
-    assert head.encode(kv, ctx).parts["k.norm"] == 16 * L * H * T
+    assert head.encode(kv, ctx).parts["k.norm"] == 16 * L * H * C
     first = AquaKV(bits=2, first_layer_bits=4)
     first.fit(trace[1])
     parts = first.encode(kv, ctx).parts
-    assert parts["k.codes4"] == 4 * H * T * D and parts["k.codes2"] == 2 * (L - 1) * H * T * D
+    assert parts["k.codes4"] == 4 * H * C * D and parts["k.codes2"] == 2 * (L - 1) * H * C * D
+
+
+def test_sinks_are_exact_and_only_at_the_start_of_a_sequence(trace):
+    config, calib, kv = trace
+    comp = AquaKV(sinks=4)
+    comp.fit(calib)
+    ctx = Context.for_kv(kv, config=config)
+    out = comp.decode(comp.encode(kv, ctx), ctx)
+    assert torch.equal(out.k[:, :, :4], kv.k[:, :, :4]) and torch.equal(out.v[:, :, :4], kv.v[:, :, :4])
+    assert not torch.equal(out.k[:, :, 4:8], kv.k[:, :, 4:8])
+    # a segment starting at position 2 holds the sequence's last two sinks; one starting at 7 holds none
+    for start, n_sink in ((2, 2), (7, 0)):
+        seg = Context.for_kv(kv, config=config, start=start)
+        bs = comp.encode(kv, seg)
+        assert bs.parts["k.sinks"] == 16 * kv.shape[0] * kv.shape[1] * n_sink * kv.shape[3]
+        assert torch.equal(comp.decode(bs, seg).k[:, :, :n_sink], kv.k[:, :, :n_sink])
+    # a sequence no longer than the sinks is stored exactly, nothing coded
+    short = kv.slice_tokens(0, 3)
+    sctx = Context.for_kv(short, config=config)
+    back = comp.decode(comp.encode(short, sctx), sctx)
+    assert torch.equal(back.k, short.k) and torch.equal(back.v, short.v)
+    # sinks=0 codes every token
+    none = AquaKV(sinks=0)
+    none.fit(calib)
+    assert none.encode(kv, ctx).parts["k.sinks"] == 0
 
 
 def test_state_is_the_predictor_weights_and_roundtrips(trace):
@@ -215,6 +242,8 @@ def test_corrupted_stream_is_caught(trace):
     ("weight_bits", 3, r"aquakv\.weight_bits=3 is out of range"),
     ("weight_bits", 8.5, r"aquakv\.weight_bits=8.5 must be a whole number"),
     ("pre_rope", "yes", r"aquakv\.pre_rope='yes' must be true or false"),
+    ("sinks", -1, r"aquakv\.sinks=-1 is out of range"),
+    ("sinks", 2.5, r"aquakv\.sinks=2.5 must be a whole number"),
     ("seed", -1, r"aquakv\.seed=-1 is out of range"),
 ])
 def test_bad_fields_say_what_is_allowed(field, value, message):

@@ -279,3 +279,12 @@ def test_scalar_code_matches_its_own_decoder_and_the_sphere_codebook():
     assert (back == rec).all()
     err = ((rec - z) ** 2).sum() / (z**2).sum()
     assert 0.01 < err < 0.1  # about 2**-5 per coordinate at 2.5 bits
+
+
+def test_one_thread_restores_the_thread_count():
+    from compressors.aquakv import one_thread
+
+    before = torch.get_num_threads()
+    with one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

@@ -331,7 +331,7 @@ def test_kvquant_on_smollm2_pre_rope_beats_post_rope():
 
     rates, errs = {}, {}
     for pre in ("true", "false"):
-        cfg = compose(["+compressor=kvquant", f"compressor.pre_rope={pre}", "capture.pre_rope=true", "metrics.nll=false"])
+        cfg = compose(["+compressor=kvquant", f"compressor.pre_rope={pre}", "metrics.nll=false"])
         summary, _ = measure(cfg, make_compressor(cfg.compressor))
         rates[pre], errs[pre] = summary["stream_bits_per_element"], summary["rel_mse_k"]
         # 3 code bits; per 1024-token channel 2 scales and 10 outliers at 16 + 10 bits; per 192-value token row
@@ -339,7 +339,7 @@ def test_kvquant_on_smollm2_pre_rope_beats_post_rope():
         k_side = (32 + 10 * 26) / 1024
         v_side = (32 + 2 * 24) / 192
         assert summary["stream_bits_per_element"] == pytest.approx(3 + (k_side + v_side) / 2, abs=1e-3)
-        assert summary["compressor_stats"]["k_codebook_fit_on"] == ("pre_rope (captured)" if pre == "true" else "post_rope")
+        assert summary["compressor_stats"]["k_codebook_fit_on"] == ("pre_rope (config)" if pre == "true" else "post_rope")
     assert errs["true"] < errs["false"], errs
     assert math.isclose(rates["true"], rates["false"])
 

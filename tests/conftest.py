@@ -19,6 +19,24 @@ class CharTokenizer:
         return type("Enc", (), {"input_ids": [b % 128 for b in text.encode("utf-8")]})()
 
 
+class ByteTokenizer:
+    """Bytes as ids, with what lm-eval's model class needs beyond :class:`CharTokenizer` (decode, eos)."""
+
+    eos_token_id = 0
+    bos_token_id = None
+    name_or_path = "bytes"
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return type("Enc", (), {"input_ids": [1 + b % 127 for b in text.encode("utf-8")]})()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+
+    def __len__(self) -> int:
+        return 128
+
+
 def tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, head_dim: int = 16):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import ByteTokenizer
 from lm_eval.api.instance import Instance
 from omegaconf import OmegaConf
 
@@ -18,24 +19,6 @@ from kvbench.evaluation.runner import evaluate, format_eval
 from kvbench.evaluation.stats import paired_binary
 from kvbench.evaluation.tasks import task_config, task_specs
 from kvbench.models import ModelHandle
-
-
-class ByteTokenizer:
-    """Bytes as ids, with what lm-eval's model class needs beyond the conftest tokenizer (decode, eos)."""
-
-    eos_token_id = 0
-    bos_token_id = None
-    name_or_path = "bytes"
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        return type("Enc", (), {"input_ids": [1 + b % 127 for b in text.encode("utf-8")]})()
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
-
-    def __len__(self) -> int:
-        return 128
 
 
 @pytest.fixture()

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import ByteTokenizer
 from omegaconf import OmegaConf
 
 from kvbench.evaluation import data, ruler
@@ -148,22 +149,6 @@ def test_a_missing_data_file_names_itself_and_the_command_for_existing_tasks(tmp
         data.check_jsonl(bad, ("context", "passkey"), "rebuild")
 
 
-class _Bytes:
-    """Bytes as ids with ``decode`` and an end-of-text id: what the lm-eval model class needs of a tokenizer."""
-
-    eos_token_id, bos_token_id, name_or_path = 0, None, "bytes"
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        return type("Enc", (), {"input_ids": [1 + b % 127 for b in text.encode("utf-8")]})()
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
-
-    def __len__(self) -> int:
-        return 128
-
-
 def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, monkeypatch):
     from compressors.identity import Identity
     from kvbench.evaluation.runner import evaluate
@@ -176,7 +161,7 @@ def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, mon
     path = data.write_jsonl(tmp_path / "ruler_toy.jsonl", rows)
     spec = task_config("ruler", "ruler_toy_64", path)
     spec["generation_kwargs"] = {**spec["generation_kwargs"], "max_gen_toks": 4}
-    handle = ModelHandle.from_loaded(tiny_model, _Bytes(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+    handle = ModelHandle.from_loaded(tiny_model, ByteTokenizer(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
     cfg = OmegaConf.create({"model": {"name": "tiny"}, "device": "cpu", "dtype": "float16", "seed": 0, "tasks": [],
                             "limit": None, "bootstrap_iters": 0, "cache": {"residual": 0, "chunk": 128, "mode": "auto"}})
     summary, out = evaluate(cfg, Identity(), handle, progress=False, specs=[spec])

@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbench-installed
+# the optional extras the tests need beyond the default install (hqq: latency.baselines=[transformers_quantized])
+TEST_STAMP := $(VENV)/.kvbench-test-extras
 
 .PHONY: install assets run test test-unit test-integration bench lint clean
 
@@ -15,19 +17,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,hqq]'
+	touch $(TEST_STAMP)
+
 assets: install
 	$(PY) -m kvbench assets --model smollm2_135m --data sotu
 
 run: assets
 	$(PY) -m kvbench run +compressor=delta
 
-test: assets
+test: assets $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-unit: install
+test-unit: install $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not integration"
 
-test-integration: assets
+test-integration: assets $(TEST_STAMP)
 	$(PY) -m pytest -q -m integration
 
 bench: assets

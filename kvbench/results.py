@@ -52,6 +52,12 @@ KINDS = {
 NOT_KEYED = ("paths", "hydra")
 #: metrics.* fields that steer the command, not the measurement
 NOT_KEYED_METRICS = ("resume",)
+#: (node, field) -> value: config fields added after runs were filed without them, left out of the key while they hold
+#: the value under which the run measures what those runs measured, so those runs keep their keys
+ADDED_LATER = {
+    ("latency", "baselines"): [],
+    ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
+}
 
 
 def git_sha() -> str:
@@ -77,6 +83,9 @@ def keyed_config(cfg_dict: dict, compressor_config: dict | None = None) -> dict:
     keyed = {k: v for k, v in cfg_dict.items() if k not in NOT_KEYED}
     if isinstance(keyed.get("metrics"), dict):
         keyed["metrics"] = {k: v for k, v in keyed["metrics"].items() if k not in NOT_KEYED_METRICS}
+    for (node, name), value in ADDED_LATER.items():
+        if isinstance(keyed.get(node), dict) and keyed[node].get(name, value) == value:
+            keyed[node] = {k: v for k, v in keyed[node].items() if k != name}
     if compressor_config is not None:
         keyed["compressor"] = compressor_config
     return keyed

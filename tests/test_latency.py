@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -13,10 +14,16 @@ from omegaconf import OmegaConf
 
 from compressors.identity import Identity
 from compressors.kivi import KIVI
+from kvbench.baselines import TransformersQuantized, quantized_cache_nbytes, transformers_quantized
 from kvbench.config import CONFIG_DIR
 from kvbench.latency import Memory, format_latency, latency_ratios, measure_latency
 from kvbench.models import ModelHandle
+from kvbench.results import cell_key
 from kvbench.timing import PeakRSS
+
+# the baseline's backend: installed by the test set-up (`make test` installs the `hqq` extra)
+needs_hqq = pytest.mark.skipif(importlib.util.find_spec("hqq") is None,
+                               reason="hqq is not installed (pip install -e '.[hqq]'); make test installs it")
 
 
 @pytest.fixture()
@@ -70,6 +77,110 @@ def test_ratios_are_compressed_over_dynamic():
     r = latency_ratios([{"context": 8, "cache": "dynamic", **base}, {"context": 8, "cache": "compressed", **comp}])["8"]
     assert r["bytes_held"] == 0.25 and r["tokens_per_s"] == 0.25 and r["decode_median"] == 3.0
     assert r["prefill_plus_compress"] == 1.5
+
+
+def hqq_bytes(n_quantized: int, n_residual: int, *, layers: int, heads: int, head_dim: int, nbits: int, group: int,
+              elem: int = 2) -> int:
+    """Bytes of an HQQ QuantizedCache by hand: per layer and K/V, packed codes, a scale and a zero per group, and
+    the 16-bit residual tokens."""
+    values = heads * n_quantized * head_dim
+    per_kind = values * nbits // 8 + 2 * (values // group) * elem + heads * n_residual * head_dim * elem
+    return layers * 2 * per_kind
+
+
+@needs_hqq
+def test_quantized_cache_baseline_rows(latency_cfg, own_handle):
+    summary, rows = measure_latency(latency_cfg("latency.residual=8", "latency.chunk=16",
+                                                "latency.baselines=[transformers_quantized]"),
+                                    KIVI(bits=2, group_size=16), own_handle)
+    assert [(r["context"], r["cache"]) for r in rows] == [(T, c) for T in (48, 96)
+                                                          for c in ("dynamic", "compressed", "transformers_quantized")]
+    base = {r["context"]: r for r in rows if r["cache"] == "transformers_quantized"}
+    plain = {r["context"]: r for r in rows if r["cache"] == "dynamic"}
+    comp = {r["context"]: r for r in rows if r["cache"] == "compressed"}
+    for T, b in base.items():
+        # the compressor's bits, one group per token and head (head_dim 16), the compressed cache's residual
+        assert (b["nbits"], b["q_group_size"], b["residual_length"]) == (2, 16, 8)
+        assert "HQQ 2-bit" in b["label"] and "per token" in b["note"]
+        assert 0.0 <= b["tokens_match_dynamic"] <= 1.0 and b["decode_median_ms"] > 0 and b["prefill_s"] > 0
+        # 5 decoded tokens stay below the residual length of 8: the prompt quantized, the 5 new tokens in 16 bit
+        assert b["bytes_held"] == hqq_bytes(T, 5, layers=2, heads=2, head_dim=16, nbits=2, group=16)
+        assert b["bytes_held"] < plain[T]["bytes_held"]
+        r = summary["ratios"][str(T)]["transformers_quantized"]
+        assert r["vs_dynamic"]["bytes_held"] == b["bytes_held"] / plain[T]["bytes_held"]
+        assert r["compressed_vs_baseline"]["decode_median"] == comp[T]["decode_median_ms"] / b["decode_median_ms"]
+        assert r["compressed_vs_baseline"]["bytes_held"] == comp[T]["bytes_held"] / b["bytes_held"]
+    assert summary["baselines"]["transformers_quantized"]["nbits"] == 2
+    text = format_latency(summary)
+    assert "compressed / transformers_quantized" in text and "transformers_quantized / dynamic" in text
+
+
+@needs_hqq
+def test_quantized_cache_bytes_equal_a_hand_sum(own_handle):
+    model = own_handle.model.to(torch.float16)
+    cache = TransformersQuantized(nbits=4, q_group_size=8, residual_length=4).make(model.config)
+    ids = torch.arange(40).unsqueeze(0) % 128  # (1, 40)
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        for _ in range(6):  # the 4th token flushes the residual into the quantized part; 2 remain in 16 bit
+            out = model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    by_hand = 0
+    for layer in cache.layers:
+        for codes, meta in (layer._quantized_keys, layer._quantized_values):
+            by_hand += codes.nbytes + meta["scale"].nbytes + meta["zero"].nbytes
+        by_hand += layer.keys.nbytes + layer.values.nbytes
+    assert cache.layers[0].keys.shape[-2] == 2
+    assert quantized_cache_nbytes(cache) == by_hand == hqq_bytes(44, 2, layers=2, heads=2, head_dim=16, nbits=4, group=8)
+
+
+@needs_hqq
+def test_quantized_cache_settings_follow_the_run(own_handle):
+    config = own_handle.model.config
+    kivi = transformers_quantized({}, KIVI(bits=3), None, config)
+    assert (kivi.nbits, kivi.q_group_size, kivi.residual_length) == (3, 16, 128)  # KIVI's own residual
+    ident = transformers_quantized({"residual_length": None}, Identity(), 32, config)
+    assert (ident.nbits, ident.residual_length) == (4, 32)
+    assert transformers_quantized({"nbits": 8, "q_group_size": 4}, KIVI(bits=2), 0, config).nbits == 8
+    with pytest.raises(ValueError, match=r"nbits to one of \[1, 2, 3, 4, 8\]"):
+        transformers_quantized({}, KIVI(bits=5), None, config)
+    with pytest.raises(ValueError, match="must divide head_dim=16"):
+        transformers_quantized({"q_group_size": 6}, KIVI(bits=2), None, config)
+
+
+def test_unknown_baseline_names_the_allowed_ones(latency_cfg, own_handle):
+    with pytest.raises(ValueError, match=r"latency.baselines='kvpress' is not allowed.*transformers_quantized"):
+        measure_latency(latency_cfg("latency.baselines=[kvpress]"), Identity(), own_handle)
+
+
+def test_missing_hqq_says_how_to_install_it(latency_cfg, own_handle, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr("kvbench.baselines.importlib.util.find_spec",
+                        lambda name, *a: None if name == "hqq" else find_spec(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[hqq\]'"):
+        measure_latency(latency_cfg("latency.baselines=[transformers_quantized]"), Identity(), own_handle)
+
+
+def test_ratios_against_a_baseline():
+    base = {"prefill_s": 2.0, "compress_s": 0.0, "decode_median_ms": 10.0, "decode_p95_ms": 20.0, "tokens_per_s": 100.0,
+            "bytes_held": 1000, "peak_mem_delta_bytes": 50}
+    comp = {**base, "compress_s": 1.0, "decode_median_ms": 30.0, "tokens_per_s": 25.0, "bytes_held": 250}
+    quant = {**base, "decode_median_ms": 20.0, "tokens_per_s": 50.0, "bytes_held": 500}
+    r = latency_ratios([{"context": 8, "cache": "dynamic", **base}, {"context": 8, "cache": "compressed", **comp},
+                        {"context": 8, "cache": "transformers_quantized", **quant}])["8"]
+    assert r["decode_median"] == 3.0 and r["bytes_held"] == 0.25  # compressed over dynamic, as before
+    q = r["transformers_quantized"]
+    assert q["vs_dynamic"]["decode_median"] == 2.0 and q["vs_dynamic"]["bytes_held"] == 0.5
+    assert q["compressed_vs_baseline"]["decode_median"] == 1.5 and q["compressed_vs_baseline"]["tokens_per_s"] == 0.5
+    assert q["compressed_vs_baseline"]["prefill_plus_compress"] == 1.5
+
+
+def test_no_baselines_keep_the_cell_key(latency_cfg):
+    """Runs filed before latency.baselines existed keep their keys while no baseline is asked for."""
+    cfg = OmegaConf.to_container(latency_cfg(), resolve=True)
+    before = {**cfg, "latency": {k: v for k, v in cfg["latency"].items() if k not in ("baselines", "quantized_cache")}}
+    assert cell_key(cfg) == cell_key(before)
+    asked = OmegaConf.to_container(latency_cfg("latency.baselines=[transformers_quantized]"), resolve=True)
+    assert cell_key(asked) != cell_key(cfg)
 
 
 MB = 1024 * 1024

@@ -14,9 +14,10 @@ import torch
 
 from kvbench.checks import check_range
 from kvbench.coding.bitstream import Bitstream
-from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes, unpack_codes_tensor
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
+from kvbench.resident import Layered
 
 
 def uniform_quantize(x: torch.Tensor, dim: int, bits: int, store: torch.dtype):
@@ -99,3 +100,33 @@ class KIVI(Compressor):
         k = torch.cat([k_hat.reshape(L, H, nk, D).to(dt), tensor_from_bytes(sec["k.fp16_window"], dt, (L, H, T - nk, D))], dim=2)
         v = torch.cat([v_hat.reshape(L, H, nv, D).to(dt), tensor_from_bytes(sec["v.fp16_window"], dt, (L, H, T - nv, D))], dim=2)
         return KVSequence(k, v)
+
+    def resident(self, bs: Bitstream, ctx: Context) -> Layered | None:
+        """Packed codes per layer, scales, zero points and the 16-bit tails held as tensors; a layer dequantises
+        alone (the codes of one layer fill whole bytes whenever ``H * T * D * bits`` is a multiple of 8)."""
+        L, H, T, D = ctx.shape
+        nk, nv, gv = self._split(ctx)
+        G, dt, b = self.group_size, ctx.dtype, self.bits
+        if (H * nk * D * b) % 8 or (H * nv * D * b) % 8:
+            return None
+        sec = bs.sections(expect=self.name)
+        as_bytes = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        held = {
+            "k.codes": as_bytes(sec["k.codes"]).reshape(L, -1),  # (L, H*nk*D*b/8) packed, LSB first
+            "v.codes": as_bytes(sec["v.codes"]).reshape(L, -1),
+            "k.scale": tensor_from_bytes(sec["k.scale"], dt, (L, H, nk // G, 1, D)),
+            "k.zero": tensor_from_bytes(sec["k.zero"], dt, (L, H, nk // G, 1, D)),
+            "v.scale": tensor_from_bytes(sec["v.scale"], dt, (L, H, nv, D // gv, 1)),
+            "v.zero": tensor_from_bytes(sec["v.zero"], dt, (L, H, nv, D // gv, 1)),
+            "k.tail": tensor_from_bytes(sec["k.fp16_window"], dt, (L, H, T - nk, D)),
+            "v.tail": tensor_from_bytes(sec["v.fp16_window"], dt, (L, H, T - nv, D)),
+        }
+
+        def layer(h, i):
+            kc = unpack_codes_tensor(h["k.codes"][i], b).reshape(H, nk // G, G, D)
+            vc = unpack_codes_tensor(h["v.codes"][i], b).reshape(H, nv, D // gv, gv)
+            k = uniform_dequantize(kc, h["k.scale"][i], h["k.zero"][i]).reshape(H, nk, D).to(dt)
+            v = uniform_dequantize(vc, h["v.scale"][i], h["v.zero"][i]).reshape(H, nv, D).to(dt)
+            return torch.cat([k, h["k.tail"][i]], dim=1), torch.cat([v, h["v.tail"][i]], dim=1), None
+
+        return Layered(held, layer)

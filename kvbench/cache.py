@@ -12,9 +12,14 @@ by any kvbench :class:`~kvbench.compressor.Compressor`. What is held between for
   such as token recompute) code the prefill once and keep every later token in the window.
 
 A segment covers all layers, because the compressor contract is a whole ``(L, H, T, D)`` sequence (predictors
-and fitted codebooks may span layers). When attention first reads in a forward pass, every segment is decoded
-from its stored bytes alone (``Bitstream.from_bytes``); the decoded tensors live until the last layer has read
-them and are then dropped, so between steps :meth:`CompressedCache.nbytes` is what the cache holds.
+and fitted codebooks may span layers). It is parsed once, when it is stored, by the decoder alone (a fresh instance
+holding only the config and the codec's state bytes) into a :mod:`~kvbench.resident` segment: compressors that can
+decode one layer alone (identity, KIVI) hold tensors and decode a layer when its attention reads it; the others
+keep the bytes and decode the whole segment at the first read of a forward pass, dropping it when the pass ends.
+Between steps :meth:`CompressedCache.nbytes` is what the cache holds.
+
+A decoder that drops entries (token eviction) returns a kept mask; the cache hides the dropped entries from
+attention per KV head at their original positions (:func:`kvbench.eviction_mask.install`).
 
 Batch size 1 only: a :class:`~kvbench.kv.KVSequence` is one sequence.
 """
@@ -34,7 +39,9 @@ from kvbench.checks import check_choice, check_range
 from kvbench.codec import decoder_for, state_bytes
 from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor
+from kvbench.eviction_mask import install as install_mask
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
+from kvbench.resident import Resident, Whole
 from kvbench.timing import Stopwatch
 
 MODES = ("auto", "chunked", "once")
@@ -42,11 +49,13 @@ MODES = ("auto", "chunked", "once")
 
 @dataclass(frozen=True)
 class Segment:
-    """One compressed run of tokens ``[start, start + length)`` over every layer, as stored bytes."""
+    """One compressed run of tokens ``[start, start + length)`` over every layer: the size of its bitstream and
+    what the cache holds of it (parsed once from those bytes)."""
 
     start: int
     length: int
-    data: bytes
+    stored_bytes: int
+    resident: Resident
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -83,9 +92,8 @@ class CompressedLayer(CacheLayerMixin):
             raise AttributeError("CompressedLayer.values is read-only; write through Cache.update")
 
     def _full(self, which: int) -> torch.Tensor:
-        prefix = self._owner()._layer_prefix(self._index, self.compute_dtype, keep=False) if self.prefix_len else None
-        win = (self.window_k, self.window_v)[which].to(self.compute_dtype)
-        return win if prefix is None else torch.cat([prefix[which], win], dim=-2)
+        parts = self._owner()._layer_parts(self._index, self.compute_dtype)[which] if self.prefix_len else []
+        return torch.cat([*parts, (self.window_k, self.window_v)[which].to(self.compute_dtype)], dim=-2)
 
     def bind(self, owner: CompressedCache, index: int) -> None:
         self._owner, self._index = weakref.ref(owner), index
@@ -101,14 +109,14 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, prefix=None, **kwargs):
         """Append the new tokens to the window; return prefix + window + new tokens for attention.
 
-        The new tokens are returned as the model computed them; only what is *stored* is rounded to the cache
-        dtype, so a forward pass sees exactly what a plain cache of that dtype would give it.
+        ``prefix``: the segments' ``([k (1, H, Ts, D), ...], [v ...])`` of this layer, concatenated here in the one
+        copy attention needs anyway. The new tokens are returned as the model computed them; only what is *stored*
+        is rounded to the cache dtype, so a forward pass sees exactly what a plain cache of that dtype would give it.
         """
-        if prefix is not None:
-            pk, pv = prefix
+        pk, pv = prefix if prefix is not None else ([], [])
         dt = key_states.dtype
-        ks = [self.window_k.to(dt), key_states] if prefix is None else [pk, self.window_k.to(dt), key_states]
-        vs = [self.window_v.to(dt), value_states] if prefix is None else [pv, self.window_v.to(dt), value_states]
+        ks = [*pk, self.window_k.to(dt), key_states]
+        vs = [*pv, self.window_v.to(dt), value_states]
         self.window_k = torch.cat([self.window_k, key_states.to(self.window_k.dtype)], dim=-2)
         self.window_v = torch.cat([self.window_v, value_states.to(self.window_v.dtype)], dim=-2)
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -203,13 +211,14 @@ class CompressedCache(Cache):
         self.dtype = dtype
         self.segments: list[Segment] = []
         self.tokens: list[int] = []
-        self._decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # (L, H, Tc, D) each, this forward pass only
+        self._read = False  # a layer read the segments in this forward pass
         self._once_done = False
         self._step_tokens = 0
         self._encode = self._decode = None
         self.n_encodes = self.n_decodes = 0
         if module is not None:
             self._hook_tokens(module)
+            install_mask(module)
 
     # ------------------------------------------------------------------ transformers Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -223,7 +232,7 @@ class CompressedCache(Cache):
                 dev = str(key_states.device)
                 self._encode, self._decode = Stopwatch(dev), Stopwatch(dev)
             layer.lazy_initialization(key_states, value_states, self.dtype)
-        prefix = self._layer_prefix(layer_idx, key_states.dtype) if self.segments else None
+        prefix = self._layer_parts(layer_idx, key_states.dtype) if self.segments else None
         out = layer.update(key_states, value_states, prefix=prefix)
         if layer_idx == len(self.layers) - 1:
             self._end_step(key_states.shape[-2])
@@ -234,12 +243,14 @@ class CompressedCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.segments, self.tokens, self._decoded, self._once_done = [], [], None, False
+        self._release()
+        self.segments, self.tokens, self._read, self._once_done = [], [], False, False
 
     # ------------------------------------------------------------------ what kvbench adds
     def nbytes(self) -> int:
-        """Bytes held between forward passes: every segment's stored bytes plus the 16-bit window."""
-        held = sum(len(s.data) for s in self.segments)
+        """Bytes held between forward passes: what every segment holds (its bytes, or the tensors parsed from them)
+        plus the 16-bit window."""
+        held = sum(s.resident.nbytes for s in self.segments)
         for layer in self.layers:
             if layer.window_k is not None:
                 held += layer.window_k.nbytes + layer.window_v.nbytes
@@ -263,7 +274,7 @@ class CompressedCache(Cache):
             "segments": len(self.segments),
             "compressed_tokens": self.compressed_tokens,
             "window_tokens": self.window_tokens,
-            "segment_bytes": sum(len(s.data) for s in self.segments),
+            "segment_bytes": sum(s.stored_bytes for s in self.segments),
             "nbytes": self.nbytes(),
         }
 
@@ -294,7 +305,7 @@ class CompressedCache(Cache):
             twin.__dict__.update({k: v for k, v in layer.__dict__.items() if k != "_owner"})
             twin.bind(new, i)
             new.layers.append(twin)
-        new.segments, new.tokens, new._decoded = list(self.segments), list(self.tokens), None
+        new.segments, new.tokens, new._read = list(self.segments), list(self.tokens), False
         new._encode, new._decode = _copy_watch(self._encode), _copy_watch(self._decode)
         module = self.model_ref.model if self.model_ref is not None and getattr(self, "_hooked", False) else None
         if module is not None:
@@ -312,7 +323,9 @@ class CompressedCache(Cache):
 
     # ------------------------------------------------------------------ internals
     def _end_step(self, n_new: int) -> None:
-        self._decoded = None  # decoded tensors live for one forward pass only
+        if self._read:
+            self.n_decodes += 1
+        self._release()  # decoded tensors live for one forward pass only
         if self.compressor is None:
             return
         surplus = self.window_tokens - self.residual
@@ -333,7 +346,7 @@ class CompressedCache(Cache):
         with self._encode():
             bs = self.compressor.encode(kv, self._context(start, n))
         self.n_encodes += 1
-        self.segments.append(Segment(start, n, bytes(bs.data)))
+        self.segments.append(self._store(start, n, bytes(bs.data)))
         for layer in self.layers:
             layer.window_k = layer.window_k[:, :, n:].contiguous()
             layer.window_v = layer.window_v[:, :, n:].contiguous()
@@ -344,29 +357,52 @@ class CompressedCache(Cache):
         _, H, _, D = self.layers[0].window_k.shape
         return Context(L, H, n, D, self.dtype, self.model_ref, config=self.model_config, start=start)
 
-    def _decode_all(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every segment decoded from its bytes alone, concatenated: ``(L, H, Tc, D)`` each, storage dtype."""
+    def _store(self, start: int, n: int, data: bytes) -> Segment:
+        """Parse a segment's bytes once, on the decoder alone (checksum and frame checked here)."""
+        ctx = self._context(start, n)
+        with self._decode():
+            resident = self.decoder.resident(Bitstream.from_bytes(data), ctx)
+        return Segment(start, n, len(data), resident if resident is not None else Whole(data, lambda raw: self._decode_whole(raw, ctx)))
+
+    def _decode_whole(self, data: bytes, ctx: Context) -> KVSequence:
+        kv = self.decoder.decode(Bitstream.from_bytes(data), ctx)
+        if kv.shape != ctx.shape:
+            raise RuntimeError(f"{self.compressor.name} decoded {tuple(kv.shape)}; expected {ctx.shape}")
+        return kv
+
+    def _layer_parts(self, layer_idx: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every segment's keys and values of one layer, ``(1, H, Ts, D)`` each in ``dtype``, in token order."""
         ks, vs = [], []
+        dev = self.layers[layer_idx].device
         with self._decode():
             for seg in self.segments:
-                ctx = self._context(seg.start, seg.length)
-                kv = self.decoder.decode(Bitstream.from_bytes(seg.data), ctx)
-                if kv.shape != ctx.shape:
-                    raise RuntimeError(f"{self.compressor.name} decoded {tuple(kv.shape)}; expected {ctx.shape}")
-                ks.append(kv.k)
-                vs.append(kv.v)
-            dev = self.layers[0].device
-            k = torch.cat(ks, dim=2).to(device=dev, dtype=self.dtype)  # (L, H, Tc, D)
-            v = torch.cat(vs, dim=2).to(device=dev, dtype=self.dtype)  # (L, H, Tc, D)
-        self.n_decodes += 1
-        return k, v
+                k, v, _ = seg.resident.layer(layer_idx)  # (H, Ts, D) each
+                if k.shape[-2] != seg.length or v.shape[-2] != seg.length:
+                    raise RuntimeError(f"{self.compressor.name} decoded {k.shape[-2]} tokens of layer {layer_idx}; "
+                                       f"the segment holds {seg.length}")
+                ks.append(k.unsqueeze(0).to(device=dev, dtype=dtype))
+                vs.append(v.unsqueeze(0).to(device=dev, dtype=dtype))
+        self._read = True
+        return ks, vs
 
-    def _layer_prefix(self, layer_idx: int, dtype: torch.dtype, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        decoded = self._decoded if self._decoded is not None else self._decode_all()
-        if keep:
-            self._decoded = decoded
-        k, v = decoded
-        return k[layer_idx].unsqueeze(0).to(dtype), v[layer_idx].unsqueeze(0).to(dtype)  # (1, H, Tc, D) each
+    def kept_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """Which held entries of one layer attention may see, ``(H_kv, tokens held)`` bool; None: all of them.
+
+        Read by the attention pre-hook of :func:`kvbench.eviction_mask.install` before the layer's update."""
+        masks = [seg.resident.kept(layer_idx) for seg in self.segments]
+        if all(m is None for m in masks):
+            return None
+        layer = self.layers[layer_idx]
+        H = layer.window_k.shape[1]
+        parts = [torch.ones(H, seg.length, dtype=torch.bool) if m is None else m.cpu() for seg, m in zip(self.segments, masks)]
+        parts.append(torch.ones(H, layer.window_len(), dtype=torch.bool))
+        self._read = True
+        return torch.cat(parts, dim=1)  # (H, prefix + window)
+
+    def _release(self) -> None:
+        for seg in self.segments:
+            seg.resident.release()
+        self._read = False
 
     def _hook_tokens(self, module: torch.nn.Module) -> None:
         """Record the ids of every forward pass that writes to this cache (generate() included)."""

@@ -13,11 +13,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbench.coding.bitstream import Bitstream
 from kvbench.kv import Context, KVSequence
 from kvbench.prefix.cache import PrefixCache
+
+if TYPE_CHECKING:
+    from kvbench.resident import Resident
 
 #: a state or bitstream section: ``bytes`` (every bit counts) or ``(bytes, exact_bits)``
 Section = bytes | tuple[bytes, int]
@@ -45,6 +48,12 @@ class Compressor(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence: ...
+
+    def resident(self, bs: Bitstream, ctx: Context) -> Resident | None:
+        """What a resident cache holds of one stored segment, parsed from ``bs`` once, when this compressor can
+        decode one layer alone from it (:class:`~kvbench.resident.Layered`: held tensors, counted as the cache's
+        bytes). None (the default): the cache keeps the bytes and decodes the whole sequence per forward pass."""
+        return None
 
     def state(self) -> dict[str, Section]:
         """What :meth:`fit` learned that the decoder needs (predictor weights, fitted steps, codebooks that are

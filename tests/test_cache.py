@@ -81,13 +81,15 @@ def test_nbytes_is_segments_plus_window(tiny_model):
     assert [s.length for s in cache.segments] == [62, 16]
     assert cache.window_tokens == 12 and cache.get_seq_length() == 90
     window = 2 * L * H * 12 * D * 2  # K and V, float16
-    assert cache.nbytes() == sum(len(s.data) for s in cache.segments) + window
-    # each identity segment is its two 16-bit tensors plus the frame the harness charges
+    assert cache.nbytes() == sum(s.resident.nbytes for s in cache.segments) + window
+    # an identity segment holds its two 16-bit tensors; its bitstream is those plus the frame the harness charges
     for s in cache.segments:
-        bs = Bitstream.from_bytes(s.data)
-        assert bs.num_bits == 8 * len(s.data)
-        assert bs.parts["k"] == bs.parts["v"] == 16 * L * H * s.length * D
+        assert s.resident.nbytes == 2 * L * H * s.length * D * 2
+        bs = Identity().encode(KVSequence(torch.zeros(L, H, s.length, D, dtype=torch.float16),
+                                          torch.zeros(L, H, s.length, D, dtype=torch.float16)), None)
+        assert s.stored_bytes == len(bs.data) and bs.parts["k"] == 16 * L * H * s.length * D
     assert cache.stats()["nbytes"] == cache.nbytes()
+    assert cache.stats()["segment_bytes"] == sum(s.stored_bytes for s in cache.segments)
 
 
 def test_kivi_changes_logits_a_little(tiny_model):
@@ -118,7 +120,7 @@ def test_long_prefill_is_bytes_after_the_step(tiny_model):
     full = 2 * 2 * 2 * 200 * 16 * 2
     assert cache.compressed_tokens == 184 and cache.window_tokens == 16
     assert cache.nbytes() < full / 3
-    assert cache._decoded is None  # decoded tensors do not outlive the forward pass
+    assert cache.nbytes() == sum(s.resident.nbytes for s in cache.segments) + 2 * 2 * 2 * 16 * 16 * 2
 
 
 @dataclass
@@ -230,13 +232,82 @@ def test_every_registered_compressor_runs_in_the_loop(name, tiny_model, random_k
             assert torch.equal(a, b)
 
 
-def test_a_corrupted_segment_fails_the_next_read(tiny_model):
-    cache = CompressedCache(Identity(), residual=4, chunk=8, model=tiny_model)
-    with torch.no_grad():
-        tiny_model(_ids(20), cache=cache, use_cache=True)
-        seg = cache.segments[0]
-        flipped = bytearray(seg.data)
+@dataclass
+class _Flipping(Identity):
+    """Identity whose stored bytes get one byte flipped after they were framed (storage corruption)."""
+
+    def encode(self, kv, ctx):
+        bs = super().encode(kv, ctx)
+        flipped = bytearray(bs.data)
         flipped[len(flipped) // 2] ^= 0xFF
-        cache.segments[0] = dataclasses.replace(seg, data=bytes(flipped))
-        with pytest.raises(BitstreamError, match="checksum"):
-            tiny_model(_ids(1, seed=8), cache=cache, use_cache=True)
+        return SimpleNamespace(data=bytes(flipped))
+
+
+def test_a_corrupted_segment_fails_when_it_is_stored(tiny_model):
+    cache = CompressedCache(_Flipping(), residual=4, chunk=8, model=tiny_model)
+    with torch.no_grad(), pytest.raises(BitstreamError, match="checksum"):
+        tiny_model(_ids(20), cache=cache, use_cache=True)
+
+
+@dataclass
+class _KiviWhole(KIVI):
+    """KIVI without its per-layer read: the cache decodes whole segments from bytes."""
+
+    def resident(self, bs, ctx):
+        return None
+
+
+def test_kivi_per_layer_reads_equal_whole_segment_decoding(tiny_model):
+    ids = _ids(90, seed=11)
+    layered = CompressedCache(KIVI(bits=2, group_size=16), residual=8, chunk=16, model=tiny_model)
+    whole = CompressedCache(_KiviWhole(bits=2, group_size=16), residual=8, chunk=16, model=tiny_model)
+    a, b = _decode_logits(tiny_model, layered, ids, 20), _decode_logits(tiny_model, whole, ids, 20)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert type(layered.segments[0].resident).__name__ == "Layered" and type(whole.segments[0].resident).__name__ == "Whole"
+    # both hold less than their bitstreams' 16-bit equivalent; the whole-segment cache holds exactly its bytes
+    assert whole.nbytes() - sum(s.stored_bytes for s in whole.segments) == layered.nbytes() - sum(s.resident.nbytes for s in layered.segments)
+    assert all(s.resident._kv is None for s in whole.segments)  # decoded tensors do not outlive the forward pass
+
+
+def test_evicted_entries_stay_hidden_per_head_in_the_decode_loop(tiny_model):
+    """The cache's logits equal scoring the decoded sequence with its kept mask, and differ from attending to the
+    zeros at the evicted entries."""
+    from compressors.eviction import KNorm
+    from kvbench.eviction_mask import hide_evicted
+    from kvbench.metrics.task import build_cache
+
+    ids = _ids(64, seed=12)
+    comp = KNorm(keep=0.5)
+    cache = CompressedCache(comp, residual=0, chunk=1 << 20, mode="once", model=tiny_model)
+    steps = [torch.tensor([[(5 * t + 1) % 128]]) for t in range(4)]
+    with torch.no_grad():
+        tiny_model(ids, cache=cache, use_cache=True)
+        got = [tiny_model(s, cache=cache, use_cache=True).logits for s in steps]
+        kv = comp.decode(Bitstream.from_bytes(bytes(comp.encode(_kv_of(tiny_model, ids), None).data)), _ctx(tiny_model, 64))
+        assert kv.kept is not None and not bool(kv.kept.all())
+        heads_differ = (kv.kept[:, 0] != kv.kept[:, 1]).any()
+        assert heads_differ, "KNorm kept the same positions in both heads; the test needs per-head masks"
+        ref_cache, plain_cache = build_cache(tiny_model, kv), build_cache(tiny_model, kv)
+        with hide_evicted(tiny_model, kv.kept):
+            ref = [tiny_model(s, cache=ref_cache, use_cache=True).logits for s in steps]
+        plain = [tiny_model(s, cache=plain_cache, use_cache=True).logits for s in steps]
+    for g, r, p in zip(got, ref, plain):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(g, p, atol=1e-3)
+    assert cache.kept_mask(0).shape == (2, 64 + 4)  # the prefix and the four tokens fed since
+
+
+def _kv_of(model, ids: torch.Tensor) -> KVSequence:
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    k = torch.cat([layer.keys for layer in cache.layers]).to(torch.float16)  # (L, H, T, D)
+    v = torch.cat([layer.values for layer in cache.layers]).to(torch.float16)
+    return KVSequence(k, v, ids[0])
+
+
+def _ctx(model, T: int) -> Context:
+    c = model.config
+    return Context(c.num_hidden_layers, c.num_key_value_heads, T, c.hidden_size // c.num_attention_heads, torch.float16, None,
+                   config=c)

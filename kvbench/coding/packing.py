@@ -81,6 +81,24 @@ def unpack_codes(raw: bytes, bits: int, n: int) -> torch.Tensor:
     return torch.from_numpy(out.reshape(-1)[:n].copy())
 
 
+def unpack_codes_tensor(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`unpack_codes` on a held uint8 tensor of whole bytes, in torch (a resident cache's per-layer read):
+    every ``8 * len / bits`` code of ``packed`` as uint8, for widths 1..8 whose codes fill the bytes exactly."""
+    _check_width(bits)
+    n_bytes = packed.numel()
+    if not 1 <= bits <= 8 or (n_bytes * 8) % bits or (bits not in (1, 2, 4, 8) and n_bytes % bits):
+        raise ValueError(f"{n_bytes} bytes do not hold whole {bits}-bit codes in groups of 8")
+    if bits == 8:
+        return packed
+    if 8 % bits == 0:  # whole codes per byte
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(-1)
+    lanes = packed.reshape(-1, bits).long()  # (G, bits): 8 codes in ``bits`` bytes
+    word = (lanes << (8 * torch.arange(bits, device=packed.device))).sum(-1)  # (G,) little-endian
+    shifts = bits * torch.arange(8, device=packed.device)
+    return ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(-1)
+
+
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
     """Raw little-endian bytes of a tensor (bfloat16 goes through its int16 bit pattern)."""
     t = t.detach().contiguous().cpu()

@@ -46,6 +46,24 @@ def trace_source(cfg: Any, handle: ModelHandle) -> Source:
     return Source(items, lambda: [s.kv for s in trace.calib], fields, str(trace.path))
 
 
+#: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every
+#: cell on a trace, so a sweep in one process scores each window's baseline once
+_BASE_NLLS: dict[tuple, np.ndarray] = {}
+
+
+def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item) -> np.ndarray:
+    """The baseline's per-token NLLs of dataset window ``i`` of ``trace``, computed once per process (a model built
+    in the process, or no trace, is scored every time)."""
+    score = lambda: continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), it.continuation)  # noqa: E731
+    if trace is None or (getattr(handle, "_meta", None) or {}).get("built_in_process"):
+        return score()
+    model = tuple(str(handle.cfg.get(k)) for k in ("name", "path")) if hasattr(handle.cfg, "get") else (str(handle.cfg),)
+    key = (trace, model, str(handle.device), i, it.score_from, int(it.continuation.numel()))
+    if key not in _BASE_NLLS:
+        _BASE_NLLS[key] = score()
+    return _BASE_NLLS[key]
+
+
 def _part_totals(parts: dict[str, int]) -> dict[str, int]:
     # a pipeline's sections are "<segment>/<inner section>"; sum them per inner section
     out: dict[str, int] = {}
@@ -117,7 +135,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         n_tok += kv.n_tokens
         n_el += kv.n_elements
         if it.continuation is not None:
-            nll_base.append(continuation_nlls(handle.model, kv.slice_tokens(0, it.score_from), it.continuation))
+            trace = None if workload_selected(cfg.get("workload")) else source.fields.get("trace")
+            nll_base.append(_base_nlls(handle, trace, len(nll_base), it))
             nll_comp.append(continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
 
     baseline_mb = n_el * 2 / 1e6

@@ -1,0 +1,44 @@
+"""The baseline's per-token NLLs are scored once per trace window in a process, and never shared across traces,
+models built in the process or workloads."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvbench import runner
+
+
+class _Counting:
+    def __init__(self, cfg, built=False):
+        self.cfg, self.device, self.calls = cfg, "cpu", 0
+        if built:
+            self._meta = {"built_in_process": True}
+
+    @property
+    def model(self):
+        self.calls += 1
+        return "model"
+
+
+def test_a_trace_windows_baseline_is_scored_once_and_only_reused_for_the_same_trace_and_model(monkeypatch):
+    monkeypatch.setattr(runner, "_BASE_NLLS", {})
+    monkeypatch.setattr(runner, "continuation_nlls", lambda model, kv, cont: np.arange(3.0))
+    kv = SimpleNamespace(slice_tokens=lambda a, b: None)
+    it = SimpleNamespace(kv=kv, score_from=8, continuation=torch.zeros(4))
+    h = _Counting({"name": "smollm2_135m", "path": None})
+    for _ in range(3):
+        assert runner._base_nlls(h, "/traces/a", 0, it).tolist() == [0, 1, 2]
+    assert h.calls == 1
+    runner._base_nlls(h, "/traces/b", 0, it)  # another trace
+    runner._base_nlls(h, "/traces/a", 1, it)  # another window
+    runner._base_nlls(h, None, 0, it)  # a workload's sessions
+    runner._base_nlls(h, None, 0, it)
+    assert h.calls == 5
+    other = _Counting({"name": "gemma3_270m", "path": None})
+    runner._base_nlls(other, "/traces/a", 0, it)
+    assert other.calls == 1
+    built = _Counting({"name": "smollm2_135m", "path": None}, built=True)
+    runner._base_nlls(built, "/traces/a", 0, it)
+    runner._base_nlls(built, "/traces/a", 0, it)
+    assert built.calls == 2

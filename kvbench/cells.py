@@ -16,6 +16,7 @@ COMMANDS = {
     "run": ("run", "kvbench.runner:measure", "kvbench.runner:format_summary"),
     "eval": ("eval", "kvbench.evaluation.runner:evaluate", "kvbench.evaluation.runner:format_eval"),
     "latency": ("latency", "kvbench.latency:measure_latency", "kvbench.latency:format_latency"),
+    "restore": ("restore", "kvbench.restore:measure_restore", "kvbench.restore:format_restore"),
 }
 
 

@@ -1,6 +1,6 @@
-"""Hydra entry points for ``run``, ``eval``, ``latency`` and ``capture``. Thin: each measuring command is one cell
+"""Hydra entry points for ``run``, ``eval``, ``latency``, ``restore`` and ``capture``. Thin: each measuring command is one cell
 through :func:`cell`, which reuses a finished run of the same config or measures and writes one
-(:mod:`kvbench.results`); the work is in ``kvbench.runner``, ``kvbench.evaluation.runner`` and ``kvbench.latency``.
+(:mod:`kvbench.results`); the work is in ``kvbench.runner``, ``kvbench.evaluation.runner``, ``kvbench.latency`` and ``kvbench.restore``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,11 @@ def _latency(cfg: DictConfig) -> None:
     cell("latency", cfg)
 
 
+@hydra.main(config_path=str(CONFIG_DIR), config_name="restore", version_base="1.3")
+def _restore(cfg: DictConfig) -> None:
+    cell("restore", cfg)
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
 def _capture(cfg: DictConfig) -> None:
     from kvbench.capture import capture, default_trace_dir
@@ -102,6 +107,10 @@ def eval_main(argv: list[str]) -> int:
 
 def latency_main(argv: list[str]) -> int:
     return _hydra(_latency, argv, "kvbench-latency")
+
+
+def restore_main(argv: list[str]) -> int:
+    return _hydra(_restore, argv, "kvbench-restore")
 
 
 def capture_main(argv: list[str]) -> int:

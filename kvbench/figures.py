@@ -234,6 +234,37 @@ def latency_vs_memory(lat: pd.DataFrame):
     return fig, ""
 
 
+def restore_ttft(rest: pd.DataFrame):
+    """Time to first token restoring a stored cache against link bandwidth (log axes), a panel per model and
+    context: a line per compressor, and the 16-bit KV and re-run prefill routes (the mean over the panel's runs:
+    each run measures them on the same session) as references. Transfer is modelled, the rest measured."""
+    d = pl.finite(rest, "bandwidth_gbps", "ttft_s", "ttft_16bit_s", "ttft_prefill_s", "context")
+    if d.empty:
+        return None, "no restore summary (python -m kvbench restore)"
+    d["series"] = series_label(d, exclude=())
+    keys = [c for c in ("model", "dataset") if c in d]
+    title = d[keys].astype(str).agg(" / ".join, axis=1) + ", " + d["context"].astype(int).astype(str) + " tokens"
+    facets = [(t, g) for t, g in d.groupby(title, sort=False)]
+    styles = series_styles(d["series"])
+    with rc_context(STYLE):
+        fig, axes = pl.grid(len(facets), sharey=False)
+        for ax, (t, g) in zip(axes, facets):
+            pl.mean_curves(ax, g, "bandwidth_gbps", "ttft_s", styles)
+            ys = list(g["ttft_s"])
+            ys += pl.reference_curve(ax, g, "bandwidth_gbps", "ttft_16bit_s", "16-bit KV sent")
+            ref = g.groupby("bandwidth_gbps", as_index=False)["ttft_prefill_s"].mean()
+            ax.plot(ref["bandwidth_gbps"], ref["ttft_prefill_s"], color="grey", linestyle=":", marker="^",
+                    label="prefill re-run (ids sent)")
+            ys += list(ref["ttft_prefill_s"])
+            pl.log_if_spans(ax, "x", g["bandwidth_gbps"], span=1)
+            pl.log_if_spans(ax, "y", ys, span=1)
+            ax.set_xlabel("link bandwidth (Gbit/s; transfer modelled)")
+            ax.set_ylabel("time to first token (s)")
+            ax.set_title(t)
+    pl.legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
 # name -> (table of the collection it reads, builder)
 FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure | None, str]]]] = {
     "rate_distortion": ("runs", rate_distortion),
@@ -242,4 +273,5 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure | None, str]
     "prefix_sharing": ("runs", prefix_sharing),
     "accuracy_regression": ("evals", accuracy),
     "latency_vs_memory": ("latency", latency_vs_memory),
+    "restore_ttft": ("restore", restore_ttft),
 }

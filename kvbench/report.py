@@ -7,6 +7,7 @@ Writes into ``--out`` (default ``<results>/report``); the overview (the default 
   best_at_1pct_nll.md/.tex      per compressor, the highest compression ratio whose delta_nll is <= 1% of nll_base
   eval.md/.tex                  task accuracy per eval run and task (from eval.json, `python -m kvbench eval`)
   latency.md/.tex               per latency run, context and cache (from latency.json, `python -m kvbench latency`)
+  restore.md/.tex               per restore run, context and link bandwidth (from restore.json, `python -m kvbench restore`)
   figures/*.png, figures/*.pdf  see ``kvbench.figures``
   skipped.txt                   run dirs that were not read, and why (only when there are any)
 and a study section NAME its tables in NAME.md/.tex (NAME.csv: the rows behind them) and its figures in figures/.
@@ -63,7 +64,7 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
 
     for sec in chosen:
         part = select(got, sec.presets, overrides) if sec.presets else got
-        if part.table.empty and part.evals.empty and part.latency.empty:  # keep what an earlier report wrote
+        if part.table.empty and part.evals.empty and part.latency.empty and part.restore.empty:  # keep what an earlier report wrote
             without_runs.append(sec.name)
             continue
         tables, figs = sec.build(part)
@@ -91,7 +92,8 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
             text("skipped.txt", "".join(f"{p}\t{why}\n" for p, why in got.skipped))
         elif (out / "skipped.txt").exists():
             (out / "skipped.txt").unlink()
-    return {"rows": len(got.table), "evals": len(got.evals), "latency": len(got.latency), "written": written,
+    return {"rows": len(got.table), "evals": len(got.evals), "latency": len(got.latency), "restore": len(got.restore),
+            "written": written,
             "skipped": got.skipped, "figures": figures, "empty": empty, "without_runs": without_runs,
             "markdown": markdowns}
 
@@ -148,14 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     res = write_report(args.dirs, out, formats, sections, args.override)
     for p, why in res["skipped"]:
         print(f"skipped {p}: {why}", file=sys.stderr)
-    print(f"{res['rows']} runs, {res['evals']} eval rows, {res['latency']} latency rows -> {out}")
+    print(f"{res['rows']} runs, {res['evals']} eval rows, {res['latency']} latency rows, {res['restore']} restore rows "
+          f"-> {out}")
     for name, paths in res["figures"].items():
         print(f"  figure {name}: {', '.join(p.name for p in paths)}")
     for name, why in res["empty"].items():
         print(f"  figure {name}: nothing to plot ({why})")
     for name in (n for n in res["without_runs"] if section(n).presets):
         print(f"  section {name}: no run of its cells (run its driver in scripts/, or pass the --override it ran with)")
-    if res["rows"] + res["evals"] + res["latency"] == 0:
+    if res["rows"] + res["evals"] + res["latency"] + res["restore"] == 0:
         print("error: no readable run summary under " + " ".join(map(str, args.dirs)), file=sys.stderr)
         return 1
     return 0

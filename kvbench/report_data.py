@@ -1,7 +1,8 @@
 """The report's data: every run summary under some dirs read into tables, with the columns tables and figures share.
 
 Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
-``python -m kvbench eval``) and end-to-end latency (``latency.json``, ``python -m kvbench latency``). A bad or
+``python -m kvbench eval``), end-to-end latency (``latency.json``, ``python -m kvbench latency``) and time to first
+token restoring a stored cache (``restore.json``, ``python -m kvbench restore``). A bad or
 partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
 skipped, never fatal.
 """
@@ -33,6 +34,7 @@ class Collection:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     evals: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (eval run, task)
     latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
+    restore: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (restore run, context, bandwidth)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -95,7 +97,7 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
                 continue
             found = [name for name in SUMMARY_FILES if (run_dir / name).exists()]
             if not found:
-                skipped.append((run_dir, "no summary.json, eval.json or latency.json (unfinished or killed run)"))
+                skipped.append((run_dir, f"no {', '.join(SUMMARY_FILES)} (unfinished or killed run)"))
                 continue
             for name in found:
                 try:
@@ -107,7 +109,7 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
                 found_runs.append({**raw, "_row": row})
     if newest_only:
         found_runs = [r for kind in KINDS for r in newest_per_cell([r for r in found_runs if r["_row"]["kind"] == kind])]
-    rows, evals, latency = [], [], []
+    rows, evals, latency, restore = [], [], [], []
     for raw in found_runs:
         row = raw["_row"]
         if row["kind"] == "eval":
@@ -115,9 +117,12 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
             evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
         elif row["kind"] == "latency":
             latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+        elif row["kind"] == "restore":
+            restore += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
         else:
             rows.append(row)
-    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)))
+    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)),
+                      _derive(pd.DataFrame(restore)))
 
 
 def numeric(df: pd.DataFrame, col: str) -> pd.Series:

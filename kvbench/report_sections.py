@@ -19,7 +19,7 @@ from kvbench import study_figures
 from kvbench.experiments import Preset, cells
 from kvbench.figures import FIGURES, accuracy
 from kvbench.report_data import Collection, best_at_tolerance, numeric, series_label, with_pooled
-from kvbench.report_tables import BEST_COLUMNS, COLUMNS, EVAL_COLUMNS, LATENCY_COLUMNS, Column, pick
+from kvbench.report_tables import BEST_COLUMNS, COLUMNS, EVAL_COLUMNS, LATENCY_COLUMNS, RESTORE_COLUMNS, Column, pick
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] 
         return out.sort_values("_cell", kind="stable").drop(columns="_cell").reset_index(drop=True)
 
     return replace(got, table=pick_rows(got.table, "run"), evals=pick_rows(got.evals, "eval"),
-                   latency=pick_rows(got.latency, "latency"))
+                   latency=pick_rows(got.latency, "latency"), restore=pick_rows(got.restore, "restore"))
 
 
 def _trace_note(d: pd.DataFrame) -> str:
@@ -77,15 +77,21 @@ def _trace_note(d: pd.DataFrame) -> str:
 
 
 # ---- overview -------------------------------------------------------------------------------------------------
+RESTORE_NOTE = ("Restore rows: encode, decode, first-token forward and prefill measured; transfer at each bandwidth "
+                "modelled as bits / bandwidth (python -m kvbench restore).")
+
+
 def overview(got: Collection) -> tuple[list[Table], Figures]:
     df = got.table
     tables = [Table("runs", df, COLUMNS, f"{len(df)} runs", empty="_no runs_\n", csv=True),
               Table("best_at_1pct_nll", best_at_tolerance(df), BEST_COLUMNS, "highest ratio at <= 1% NLL regression",
                     empty="_no run has both delta_nll and nll_base_\n")]
-    for stem, table, columns in (("eval", got.evals, EVAL_COLUMNS), ("latency", got.latency, LATENCY_COLUMNS)):
+    for stem, table, columns in (("eval", got.evals, EVAL_COLUMNS), ("latency", got.latency, LATENCY_COLUMNS),
+                                 ("restore", got.restore, RESTORE_COLUMNS)):
         if not table.empty:
-            tables.append(Table(stem, table, columns, f"{stem}: {table['run_id'].nunique()} runs"))
-    frames = {"runs": df, "evals": got.evals, "latency": got.latency}
+            note = RESTORE_NOTE if stem == "restore" else ""
+            tables.append(Table(stem, table, columns, f"{stem}: {table['run_id'].nunique()} runs", note))
+    frames = {"runs": df, "evals": got.evals, "latency": got.latency, "restore": got.restore}
     return tables, {name: make(frames[frame]) for name, (frame, make) in FIGURES.items()}
 
 

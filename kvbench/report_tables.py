@@ -119,6 +119,16 @@ CATALOGUE = {c.key: c for c in (
     _col("speed_ratio", "decode tokens/s vs 16-bit", ".3f"),
     _col("ms_compressed", "decode ms/token", ".1f"),
     _col("ms_dynamic", "16-bit decode ms/token", ".1f"),
+    # restore-from-storage time to first token (restore.json, one row per context and link bandwidth)
+    _col("bandwidth_gbps", "link Gbit/s", "g"),
+    _col("ttft_s", "TTFT compressed s", ".4f"),
+    _col("ttft_16bit_s", "TTFT 16-bit s", ".4f"),
+    _col("ttft_prefill_s", "TTFT prefill s", ".4f"),
+    _col("fastest", "fastest"),
+    _col("decode_s", "decode s", ".4f"),
+    _col("first_token_s", "first token s", ".4f"),
+    _col("crossover_16bit_gbps", "16-bit crossover Gbit/s", ".3g"),
+    _col("crossover_prefill_gbps", "prefill crossover Gbit/s", ".3g"),
 )}
 
 
@@ -137,6 +147,9 @@ COLUMNS = pick("model", "dataset", "compressor", "params", "workload", "sharing.
 # The best point of each curve within 1% NLL, decided on the interval, per set of evaluated windows.
 BEST_COLUMNS = pick("model", "dataset", "windows", "compressor", "params", "context_len", "bits_per_element",
                     "bits_per_token", "x_bound", "compression_ratio", "delta_nll", "delta_nll_ci_text", "nll_base")
+RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bandwidth_gbps", "ttft_s", "ttft_16bit_s",
+                       "ttft_prefill_s", "fastest", "decode_s", "first_token_s", "prefill_s", "crossover_16bit_gbps",
+                       "crossover_prefill_gbps")
 EVAL_COLUMNS = pick("model", "compressor", "params", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
                     "stderr_diff", "mcnemar_p")
 LATENCY_COLUMNS = pick("model", "compressor", "params", "context", "cache", "prefill_s", "compress_s",

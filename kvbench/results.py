@@ -1,12 +1,13 @@
 """The results layer: which finished run is this cell, reuse it or measure it, and write it atomically.
 
-Every command that measures (``run``, ``eval``, ``latency``) writes one directory per run under
+Every command that measures (``run``, ``eval``, ``latency``, ``restore``) writes one directory per run under
 ``<results root>/runs/``::
 
     <prefix><compressor>-<cell_key>-<code version>/
-        <kind file>        summary.json | eval.json | latency.json: the measurements, plus ``kind``, ``cell_key``,
-                           ``git_sha`` and the resolved ``config``, so that one file describes its run
-        <kind table>       rows.parquet | eval.parquet | latency.parquet
+        <kind file>        summary.json | eval.json | latency.json | restore.json: the measurements, plus
+                           ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config``, so that one file describes
+                           its run
+        <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet
         config.json        the resolved config
 
 ``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
@@ -46,6 +47,7 @@ KINDS = {
     "run": Kind("run", "", "summary.json", "rows.parquet"),
     "eval": Kind("eval", "eval-", "eval.json", "eval.parquet"),
     "latency": Kind("latency", "latency-", "latency.json", "latency.parquet"),
+    "restore": Kind("restore", "restore-", "restore.json", "restore.parquet"),
 }
 
 #: top-level config nodes that say where results go or whether to reuse them, not what is measured

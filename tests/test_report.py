@@ -57,6 +57,14 @@ def runs(tmp_path):
         (d / "latency.json").write_text(json.dumps({
             "compressor": "kivi", "model": "smollm2_135m", "dataset": "sotu", "kind": "latency", "rows": rows,
             "compressor_params": {"name": "kivi", "bits": bits}}))
+    d = tmp_path / "runs" / "restore-kivi"  # as `kvbench restore` writes it: rows per context and link bandwidth
+    d.mkdir()
+    rows = [{"context": T, "bandwidth_gbps": b, "ttft_s": 0.2 + T * 4e-4 / b, "ttft_16bit_s": 0.1 + T * 2e-3 / b,
+             "ttft_prefill_s": 1.0 + T * 1e-6 / b, "fastest": "compressed", "decode_s": 0.1, "first_token_s": 0.1,
+             "prefill_s": 1.0} for T in (1024, 4096) for b in (1, 10, 100)]
+    (d / "restore.json").write_text(json.dumps({
+        "compressor": "kivi", "model": "smollm2_135m", "dataset": "sotu", "kind": "restore", "rows": rows,
+        "compressor_params": {"name": "kivi", "bits": 2}}))
     return tmp_path / "runs"
 
 
@@ -134,6 +142,8 @@ def test_every_figure_and_table_builds_from_summaries_that_carry_its_keys(runs, 
     ev = (tmp_path / "out" / "eval.md").read_text().splitlines()
     assert len(ev) == 2 + 4 and "| -0.040 |" in ev[2] + ev[3]
     assert len((tmp_path / "out" / "latency.md").read_text().splitlines()) == 2 + 8
+    assert res["restore"] == 6
+    assert len((tmp_path / "out" / "restore.md").read_text().splitlines()) == 2 + 2 + 6  # note, blank, table
 
 
 def test_figures_with_nothing_to_plot_say_why():

@@ -397,3 +397,39 @@ def test_queries_of_a_model_with_qk_norm_sliding_layers_and_its_own_scale_give_i
         out = model(ids.unsqueeze(0), output_attentions=True)
     ref = torch.stack([a[0].sum(1) for a in out.attentions])  # (L, Hq, T)
     torch.testing.assert_close(attention_sums(qs, kv.k), ref, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- in the loop
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_runs_in_the_task_loop_and_the_decode_loop_with_its_entries_hidden(name, trace):
+    """Scores and greedy text through the compressed cache (lm-eval's requests), and the latency loop; the cache
+    holds fewer bytes than the 16-bit one and attention sees only the kept entries."""
+    from conftest import ByteTokenizer
+    from lm_eval.api.instance import Instance
+    from omegaconf import OmegaConf
+
+    from kvbench.cache import CompressedCache
+    from kvbench.evaluation.lm import CompressedKVLM
+    from kvbench.latency import run_once
+    from kvbench.models import ModelHandle
+
+    model = trace[0]
+    comp = METHODS[name]
+    handle = ModelHandle.from_loaded(model, ByteTokenizer(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+    lm = CompressedKVLM(handle, comp, residual=0, progress=False)
+    ctx_text = "the pass key is 4711. remember it. " * 3
+    (scored,) = lm.loglikelihood([Instance("loglikelihood", {}, (ctx_text, " 4711"), 0)])
+    base = lm.baseline[("ll", ctx_text, " 4711")]
+    assert math.isfinite(scored[0]) and scored[0] != base[0]
+    gen = Instance("generate_until", {}, (ctx_text, {"until": ["\n"], "max_gen_toks": 4}), 1)
+    assert isinstance(lm.generate_until([gen])[0], str)
+    assert lm.accounting["compressed_tokens"] > 0
+
+    ids = trace[1].tokens[:64].unsqueeze(0)
+    cache = CompressedCache(comp, residual=8, chunk=1 << 20, model=handle)
+    row = run_once(model, ids, cache, 3, "cpu")
+    assert row["bytes_held"] < 0.6 * 2 * 2 * 2 * 67 * 16 * 2  # K and V, 2 layers, 2 heads, 16 dims, float16
+    kept = cache.kept_mask(0)  # (H, tokens held): the window and the fed tokens are all visible
+    assert kept is not None and not bool(kept.all()) and bool(kept[:, -10:].all())

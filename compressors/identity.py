@@ -8,7 +8,7 @@ from kvbench.coding.bitstream import Bitstream
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.compressor import Compressor
 from kvbench.kv import Context, KVSequence
-from kvbench.resident import Layered
+from kvbench.resident import Layered, restored
 
 
 @dataclass
@@ -26,5 +26,4 @@ class Identity(Compressor):
         return KVSequence(tensor_from_bytes(sec["k"], ctx.dtype, ctx.shape), tensor_from_bytes(sec["v"], ctx.dtype, ctx.shape))
 
     def resident(self, bs: Bitstream, ctx: Context) -> Layered:
-        kv = self.decode(bs, ctx)  # the stored tensors themselves: a layer is a view
-        return Layered({"k": kv.k, "v": kv.v}, lambda held, i: (held["k"][i], held["v"][i], None))
+        return restored(self.decode(bs, ctx))

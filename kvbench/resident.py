@@ -89,3 +89,13 @@ class Whole(Resident):
 
     def release(self) -> None:
         self._kv = None
+
+
+def restored(kv: KVSequence) -> Layered:
+    """A decoded sequence held as it is: its tensors (and kept mask) are the segment, a layer is a view.
+
+    Identity's segments are their 16-bit tensors already. Coders that run the model to decode (token recompute,
+    model-predicted residuals) decode a stored segment once, as a system restoring a session would, rather than
+    re-running the model at every step; what they hold afterwards is 16-bit KV, and it is counted as such."""
+    held = {"k": kv.k, "v": kv.v} if kv.kept is None else {"k": kv.k, "v": kv.v, "kept": kv.kept}
+    return Layered(held, lambda h, i: (h["k"][i], h["v"][i], h["kept"][i] if "kept" in h else None))

@@ -311,3 +311,19 @@ def _ctx(model, T: int) -> Context:
     c = model.config
     return Context(c.num_hidden_layers, c.num_key_value_heads, T, c.hidden_size // c.num_attention_heads, torch.float16, None,
                    config=c)
+
+
+def test_a_model_decoder_restores_each_segment_once_not_every_step(tiny_model, monkeypatch):
+    from compressors.recompute import Recompute
+
+    calls = []
+    original = Recompute.decode
+    monkeypatch.setattr(Recompute, "decode", lambda self, bs, ctx: calls.append(ctx.n_tokens) or original(self, bs, ctx))
+    ids = _ids(30, seed=13)
+    base = _decode_logits(tiny_model, CompressedCache(None, model=tiny_model), ids, 4)
+    cache = CompressedCache(Recompute(), residual=0, model=tiny_model)
+    got = _decode_logits(tiny_model, cache, ids, 4)
+    assert calls == [30] and cache.mode == "once"  # restored when stored; the four steps read the held KV
+    assert cache.nbytes() == 2 * 2 * 2 * 34 * 16 * 2  # it holds 16-bit KV after restoring, and says so
+    for a, b in zip(base, got):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

@@ -111,11 +111,11 @@ def run_in_process(todo: Sequence[Cell], force: bool = False, lock: bool = False
     handles: dict[str, ModelHandle] = {}  # one loaded model per model config and device (a preset may have a model axis)
     failed = []
     for i, cell in enumerate(todo, 1):
-        reuse = _reusable(cell, force)
-        print(f"[{i}/{len(todo)}] {cell.command}" + (" (finished run reused)" if reuse else ""), flush=True)
         which = json.dumps([OmegaConf.to_container(cell.cfg.model, resolve=True), str(cell.cfg.device)], sort_keys=True)
         handle = handles.setdefault(which, ModelHandle(cell.cfg.model, cell.cfg.device))
-        try:
+        try:  # a compressor that cannot be built fails here, when its cell is keyed
+            reuse = _reusable(cell, force)
+            print(f"[{i}/{len(todo)}] {cell.command}" + (" (finished run reused)" if reuse else ""), flush=True)
             with bench_lock() if lock and not reuse else nullcontext():
                 out: Outcome = run_cell(cell.kind, cell.cfg, handle, resume=False if force else None,
                                         extra={"load_average_1min": os.getloadavg()[0]})

@@ -132,3 +132,18 @@ def test_cells_of_a_preset_with_a_model_axis_run_in_one_process_on_their_own_mod
     assert experiments.run_in_process(todo) == []
     assert [(m, h) for m, h, _ in seen] == [("smollm2_135m",) * 2, ("gemma3_270m",) * 2] * 2
     assert len({i for *_, i in seen}) == 2, "one handle per model, kept across cells"
+
+
+def test_a_cell_whose_compressor_cannot_be_built_fails_alone(monkeypatch):
+    from kvbench import experiments
+    from kvbench.results import Outcome
+
+    def reusable(cell, force):
+        if cell.cfg.model.name == "smollm2_135m":
+            raise ImportError("a module that does not import")
+        return True
+
+    monkeypatch.setattr(experiments, "run_cell", lambda *a, **k: Outcome({}, None, True))
+    monkeypatch.setattr(experiments, "_reusable", reusable)
+    todo = cells([Preset("run", "frontier_delta")])
+    assert experiments.run_in_process(todo) == todo[:1]

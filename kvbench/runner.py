@@ -24,7 +24,7 @@ from kvbench.compressor import Compressor, SetCompressor
 from kvbench.items import Item, Source
 from kvbench.kv import Context, KVSequence
 from kvbench.metrics.distortion import DistortionAccumulator
-from kvbench.metrics.intervals import NLL_TOLERANCE, block_bootstrap_ci, verdict
+from kvbench.metrics.intervals import NLL_TOLERANCE, block_bootstrap_ci, detectable_from_ci, verdict
 from kvbench.metrics.rate import bound_bits_per_token, rate_summary
 from kvbench.metrics.task import continuation_nlls
 from kvbench.models import ModelHandle
@@ -181,7 +181,7 @@ def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: A
     if not nll_base:
         nan = math.nan
         return {"nll_base": nan, "nll_compressed": nan, "delta_nll": nan, "delta_nll_ci": [nan, nan],
-                "nll_base_ci": [nan, nan], "eval_tokens": 0, "delta_nll_verdict_1pct": "unresolved"}
+                "nll_base_ci": [nan, nan], "eval_tokens": 0, "delta_nll_verdict_1pct": "unresolved", "delta_nll_mde": nan}
     block, resamples, seed = int(metrics.ci_block), int(metrics.ci_resamples), int(metrics.ci_seed)
     base, comp = np.concatenate(nll_base), np.concatenate(nll_comp)
     diffs = [c - b for b, c in zip(nll_base, nll_comp)]
@@ -196,6 +196,8 @@ def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: A
         "eval_tokens": int(base.size),
         "ci_block_tokens": block,
         "delta_nll_verdict_1pct": verdict(delta_ci, NLL_TOLERANCE * nll_base_mean),
+        # the smallest true delta NLL these tokens detect 80% of the time at the 5% level, from this cell's spread
+        "delta_nll_mde": detectable_from_ci(delta_ci),
     }
 
 

@@ -160,3 +160,16 @@ def test_cache_uses_storage_dtype(handle):
     lm = CompressedKVLM(handle, Identity(), residual=0, dtype=torch.bfloat16, progress=False)
     lm.loglikelihood([_ll("abcdef", "g")])
     assert lm.accounting["segment_bits"] > 0
+
+
+def test_six_flips_one_way_are_the_fewest_mcnemar_calls_significant():
+    from kvbench.evaluation.stats import smallest_significant_flips
+
+    assert smallest_significant_flips() == 6  # 2 * 0.5**6 = 0.031 < 0.05 <= 2 * 0.5**5 = 0.0625
+    base = np.ones(20)
+    comp = base.copy()
+    comp[:6] = 0
+    got = paired_binary(base, comp)
+    assert got["smallest_significant_diff"] == pytest.approx(6 / 20) and got["mcnemar_p"] < 0.05
+    comp[5] = 1
+    assert paired_binary(base, comp)["mcnemar_p"] >= 0.05

@@ -74,6 +74,7 @@ def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
     assert low <= s["delta_nll"] <= high and low < high
     assert s["eval_tokens"] == 2 * 48 and s["nll_base_ci"][0] <= s["nll_base"] <= s["nll_base_ci"][1]
     assert s["delta_nll_verdict_1pct"] in ("within", "not within", "unresolved")
+    assert s["delta_nll_mde"] == pytest.approx(2.8016 * (high - low) / (2 * 1.95996), rel=1e-4)
     exact = tiny_cfg("+compressor=identity", "dataset.eval_len=48")
     e, _ = measure(exact, make_compressor(exact.compressor), tiny_handle)
     assert e["delta_nll"] == 0.0 and e["delta_nll_ci"] == [0.0, 0.0] and e["delta_nll_verdict_1pct"] == "within"

@@ -63,14 +63,17 @@ def verdict(ci: Sequence[float], tolerance: float) -> str:
     return "unresolved"
 
 
-def minimum_detectable_effect(per_window: Sequence[np.ndarray], block: int = 32, resamples: int = 2000,
-                              seed: int = 0, level: float = LEVEL, power: float = 0.8) -> float:
+def detectable_from_ci(ci: Sequence[float], level: float = LEVEL, power: float = 0.8) -> float:
     """The smallest true shift of the mean that a two-sided test at ``level`` detects with probability ``power``,
-    given the block-bootstrap spread of ``per_window`` (paired differences from a run): ``(z_a + z_b) * se`` with
-    the standard error read off the interval's width."""
+    given a measured ``level`` interval: ``(z_a + z_b) * se`` with the standard error read off its width."""
     from scipy.stats import norm
 
-    low, high = block_bootstrap_ci(per_window, block, resamples, seed, level)
+    low, high = ci
     z_a = float(norm.ppf(1 - (1 - level) / 2))
-    se = (high - low) / (2 * z_a)
-    return (z_a + float(norm.ppf(power))) * se
+    return (z_a + float(norm.ppf(power))) * (high - low) / (2 * z_a)
+
+
+def minimum_detectable_effect(per_window: Sequence[np.ndarray], block: int = 32, resamples: int = 2000,
+                              seed: int = 0, level: float = LEVEL, power: float = 0.8) -> float:
+    """:func:`detectable_from_ci` of the block-bootstrap interval of ``per_window`` (paired differences)."""
+    return detectable_from_ci(block_bootstrap_ci(per_window, block, resamples, seed, level), level, power)

@@ -236,8 +236,9 @@ def latency_vs_memory(lat: pd.DataFrame):
 
 def restore_ttft(rest: pd.DataFrame):
     """Time to first token restoring a stored cache against link bandwidth (log axes), a panel per model and
-    context: a line per compressor, and the 16-bit KV and re-run prefill routes (the mean over the panel's runs:
-    each run measures them on the same session) as references. Transfer is modelled, the rest measured."""
+    context: a solid line per compressor, and in its colour the 16-bit KV (dashed) and re-run prefill (dotted)
+    routes of the same run, which measured them on the same session at the same load (other runs' load differs, so
+    a compressor is compared with its own run's references). Transfer is modelled, the rest measured."""
     d = pl.finite(rest, "bandwidth_gbps", "ttft_s", "ttft_16bit_s", "ttft_prefill_s", "context")
     if d.empty:
         return None, "no restore summary (python -m kvbench restore)"
@@ -247,17 +248,18 @@ def restore_ttft(rest: pd.DataFrame):
     facets = [(t, g) for t, g in d.groupby(title, sort=False)]
     styles = series_styles(d["series"])
     with rc_context(STYLE):
-        fig, axes = pl.grid(len(facets), sharey=False)
+        fig, axes = pl.grid(len(facets))
         for ax, (t, g) in zip(axes, facets):
             pl.mean_curves(ax, g, "bandwidth_gbps", "ttft_s", styles)
-            ys = list(g["ttft_s"])
-            ys += pl.reference_curve(ax, g, "bandwidth_gbps", "ttft_16bit_s", "16-bit KV sent")
-            ref = g.groupby("bandwidth_gbps", as_index=False)["ttft_prefill_s"].mean()
-            ax.plot(ref["bandwidth_gbps"], ref["ttft_prefill_s"], color="grey", linestyle=":", marker="^",
-                    label="prefill re-run (ids sent)")
-            ys += list(ref["ttft_prefill_s"])
+            for name, s in g.groupby("series", sort=True):
+                s = s.groupby("bandwidth_gbps", as_index=False)[["ttft_16bit_s", "ttft_prefill_s"]].mean()
+                color = styles[name]["color"]
+                ax.plot(s["bandwidth_gbps"], s["ttft_16bit_s"], color=color, linestyle="--", linewidth=0.9)
+                ax.plot(s["bandwidth_gbps"], s["ttft_prefill_s"], color=color, linestyle=":", linewidth=0.9)
+            ax.plot([], [], color="grey", linestyle="--", label="16-bit KV sent (same run)")
+            ax.plot([], [], color="grey", linestyle=":", label="prefill re-run, ids sent (same run)")
             pl.log_if_spans(ax, "x", g["bandwidth_gbps"], span=1)
-            pl.log_if_spans(ax, "y", ys, span=1)
+            pl.log_if_spans(ax, "y", list(g["ttft_s"]) + list(g["ttft_16bit_s"]) + list(g["ttft_prefill_s"]), span=1)
             ax.set_xlabel("link bandwidth (Gbit/s; transfer modelled)")
             ax.set_ylabel("time to first token (s)")
             ax.set_title(t)

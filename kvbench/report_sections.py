@@ -18,7 +18,7 @@ import pandas as pd
 from kvbench import study_figures
 from kvbench.experiments import Preset, cells
 from kvbench.figures import FIGURES, accuracy
-from kvbench.report_data import Collection, best_at_tolerance, numeric, series_label, with_pooled
+from kvbench.report_data import Collection, best_at_tolerance, numeric, plain, series_label, with_pooled
 from kvbench.report_tables import BEST_COLUMNS, COLUMNS, EVAL_COLUMNS, LATENCY_COLUMNS, RESTORE_COLUMNS, Column, pick
 
 
@@ -260,11 +260,184 @@ def end_to_end(got: Collection) -> tuple[list[Table], Figures]:
             {"end_to_end": study_figures.end_to_end(lat)})
 
 
+# ---- the frontier: fitted transform and predictive coders against per-vector references -----------------------
+FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+                        "bits_per_element", "codec_bits", "stream_compression_ratio", "delta_nll", "delta_nll_ci_text",
+                        "nll_verdict", "rel_mse_k", "rel_mse_v")
+FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
+                             "stream_bits_per_element", "bits_per_element", "codec_bits", "delta_nll",
+                             "delta_nll_ci_text", "nll_verdict")
+RATE_NOTE = ("stream bits/elt: the bitstreams alone over every K and V element; bits/elt: with the codec's fitted "
+             "parameters (codec bits) charged once to this run; dNLL: held-out NLL change with its paired 95% "
+             "interval; within 1%? decided on the interval against 1% of the base NLL.")
+#: per compressor: the fields naming the tokens it stores exactly in 16 bit (first ``sinks``, last ``recent``)
+EXACT_FIELDS = {"kvtc": ("sinks", "window"), "aquakv": ("sinks", None), "kivi": (None, "residual")}
+
+
+def _count(row: pd.Series, field: str | None) -> int:
+    v = pd.to_numeric(row.get(f"compressor_params.{field}"), errors="coerce") if field else math.nan
+    return int(v) if pd.notna(v) else 0
+
+
+def _tokens_text(sinks: int, recent: int, recent_word: str = "recent") -> str:
+    parts = [f"{sinks} sinks"] * (sinks > 0) + [f"{recent} {recent_word}"] * (recent > 0)
+    return " + ".join(parts) or "none"
+
+
+def exact_tokens(d: pd.DataFrame) -> pd.Series:
+    """Per row, the tokens its coder stores exactly in 16 bit: ``4 sinks + 128 recent``, or ``none``."""
+    def one(r: pd.Series) -> str:
+        sinks, recent = EXACT_FIELDS.get(str(r["compressor"]), (None, None))
+        return _tokens_text(_count(r, sinks), _count(r, recent))
+    return d.apply(one, axis=1) if not d.empty else pd.Series(dtype=str)
+
+
+def frontier_label(d: pd.DataFrame) -> pd.Series:
+    """A curve per coder: its name, TurboQuant's range-coded codes as their own curve."""
+    if d.empty:
+        return pd.Series(dtype=str)
+    coded = d.get("compressor_params.entropy_coding", pd.Series(False, index=d.index)).astype(str) == "True"
+    return d["compressor"].astype(str).where(~coded, d["compressor"].astype(str) + " (range-coded)")
+
+
+def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series")) -> pd.DataFrame:
+    """Per model and curve, the cell with the fewest stream bits per element whose delta-NLL interval lies wholly
+    within 1% of the base NLL (verdict ``within``); curves without one are left out."""
+    if d.empty or "nll_verdict" not in d:
+        return d.iloc[0:0]
+    ok = d[(d["nll_verdict"] == "within") & numeric(d, "stream_bits_per_element").notna()]
+    if ok.empty:
+        return ok
+    best = ok.loc[numeric(ok, "stream_bits_per_element").groupby([ok[c] for c in by]).idxmin()]
+    return best.sort_values(["model", "stream_bits_per_element"], kind="stable")
+
+
+def _by_model(d: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    return [(str(m), g) for m, g in d.groupby("model", sort=False)] if "model" in d and not d.empty else []
+
+
+def _trace_notes(d: pd.DataFrame) -> str:
+    """The trace note of each model's rows."""
+    return " ".join(n for _, g in _by_model(d) if (n := _trace_note(g)))
+
+
+def frontier(got: Collection) -> tuple[list[Table], Figures]:
+    d = got.table
+    d = d.assign(series=frontier_label(d), exact_tokens=exact_tokens(d))
+    d = d.assign(compressor=d["series"])
+    tables = [Table("frontier", d, FRONTIER_COLUMNS, "every cell", f"{_trace_notes(d)} {RATE_NOTE}".strip(), csv=True),
+              Table("frontier", lowest_within(d), FRONTIER_BEST_COLUMNS,
+                    "fewest stream bits per element within 1% NLL, per coder and model",
+                    empty="_no cell is within 1% on its interval_\n")]
+    figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")
+               for model, g in _by_model(d)}
+    return tables, figures
+
+
+# ---- eviction -------------------------------------------------------------------------------------------------
+EVICTION_COLUMNS = pick("model", "compressor", "compressor_params.keep", "always_kept", "kept_coding",
+                        "stream_bits_per_element", "positions_bits_per_element", "bits_per_element", "delta_nll",
+                        "delta_nll_ci_text", "nll_verdict", "vs_random", "rel_mse_k", "rel_mse_v")
+MATCHED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "kept_coding",
+                       "exact_tokens", "stream_bits_per_element", "bits_per_element", "delta_nll", "delta_nll_ci_text",
+                       "nll_verdict")
+EVICTION_NOTE = ("keep: fraction of tokens every layer and KV head keeps; always kept: tokens kept before any is "
+                 "scored; stream bits/elt counts the kept KV and the coded kept positions over every K and V element "
+                 "of the full cache; vs random: against random_eviction at the same keep, decided on the two "
+                 "intervals (better/worse when they do not overlap); rel MSE on the kept entries only (0 when they are "
+                 "stored at 16 bits).")
+MATCHED_NOTE = ("Eviction and quantization at similar stored bits: SnapKV's cells beside the per-vector quantizers "
+                "of the frontier presets, by stream bits per element.")
+
+
+def always_kept(d: pd.DataFrame) -> pd.Series:
+    """Per eviction row, the tokens it keeps before scoring any: sinks, an observation or recent window, H2O's recent
+    share of the budget, StreamingLLM's whole budget as sinks plus recent tokens."""
+    def one(r: pd.Series) -> str:
+        name, t = str(r["compressor"]), numeric(pd.DataFrame([r]), "context_len").iloc[0]
+        keep = pd.to_numeric(r.get("compressor_params.keep"), errors="coerce")
+        k = math.floor(keep * t + 0.5) if pd.notna(keep) and pd.notna(t) else 0
+        if name == "h2o":
+            share = pd.to_numeric(r.get("compressor_params.recent"), errors="coerce")
+            return _tokens_text(0, math.floor(share * k + 0.5) if pd.notna(share) else 0)
+        if name == "streaming_llm":
+            return _tokens_text(_count(r, "sinks"), k - _count(r, "sinks"))
+        return _tokens_text(_count(r, "sinks"), _count(r, "window"), "last")
+    return d.apply(one, axis=1) if not d.empty else pd.Series(dtype=str)
+
+
+def kept_coding(d: pd.DataFrame) -> pd.Series:
+    """How the kept KV is stored: ``16-bit``, or the inner coder and its bits."""
+    if d.empty:
+        return pd.Series(dtype=str)
+    inner = d.get("compressor_params.inner.name", pd.Series(math.nan, index=d.index))
+    bits = numeric(d, "compressor_params.inner.bits")
+    text = [("16-bit" if pd.isna(n) else f"{n} {plain(b)}-bit" if pd.notna(b) else str(n)) for n, b in zip(inner, bits)]
+    return pd.Series(text, index=d.index)
+
+
+def eviction_label(d: pd.DataFrame) -> pd.Series:
+    """A curve per method and kept-KV coding: ``snapkv``, ``snapkv + turboquant 3-bit``."""
+    if d.empty:
+        return pd.Series(dtype=str)
+    kept = kept_coding(d)
+    return d["compressor"].astype(str).where(kept == "16-bit", d["compressor"].astype(str) + " + " + kept)
+
+
+def against_random(d: pd.DataFrame) -> pd.Series:
+    """Per eviction row, ``better``/``worse`` than random_eviction at the same model and keep when the two delta-NLL
+    intervals do not overlap, ``overlaps`` when they do."""
+    out = pd.Series("", index=d.index, dtype=object)
+    if d.empty:
+        return out
+    lo, hi, keep = numeric(d, "delta_nll_low"), numeric(d, "delta_nll_high"), numeric(d, "compressor_params.keep")
+    rand = (d["compressor"] == "random_eviction") & (kept_coding(d) == "16-bit")
+    for i in d.index[~rand & keep.notna()]:
+        ref = d.index[rand & (d["model"] == d.at[i, "model"]) & (keep == keep[i])]
+        if len(ref) == 0 or pd.isna(lo[i]):
+            continue
+        r = ref[0]
+        out[i] = "better" if hi[i] < lo[r] else "worse" if lo[i] > hi[r] else "overlaps"
+    return out
+
+
+def eviction(got: Collection) -> tuple[list[Table], Figures]:
+    d = got.table
+    if d.empty:
+        return [], {}
+    ev = d[d["preset"].astype(str).str.startswith("eviction")] if "preset" in d else d
+    ref = d.drop(ev.index)
+    ev = ev.assign(series=eviction_label(ev), always_kept=always_kept(ev), kept_coding=kept_coding(ev),
+                   positions_bits_per_element=numeric(ev, "compressor_stats.positions_bits") / numeric(ev, "n_elements"))
+    ev = ev.assign(vs_random=against_random(ev), compressor=ev["series"])
+    ref = ref.assign(series=frontier_label(ref), exact_tokens=exact_tokens(ref))
+    ref = ref.assign(compressor=ref["series"])
+    tables = [Table("eviction", ev, EVICTION_COLUMNS, "every eviction cell", f"{_trace_notes(ev)} {EVICTION_NOTE}".strip(),
+                    csv=True)]
+    snap = ev[ev["compressor"].astype(str).str.startswith("snapkv")].assign(exact_tokens="-")
+    both = pd.concat([snap, ref], ignore_index=True)
+    if not both.empty:
+        both = both.sort_values(["model", "stream_bits_per_element"], kind="stable")
+        tables.append(Table("eviction", both, MATCHED_COLUMNS,
+                            "eviction against quantization at similar stored bits", MATCHED_NOTE))
+    every = pd.concat([ev, ref], ignore_index=True)
+    figures = {f"eviction_{model}": study_figures.nll_vs_stream_bits(g, "Eviction", reference=ref_names(g))
+               for model, g in _by_model(every)}
+    return tables, figures
+
+
+def ref_names(d: pd.DataFrame) -> set[str]:
+    """The curves of rows that are not eviction (the quantizers drawn for reference)."""
+    return set(d.loc[~d["preset"].astype(str).str.startswith("eviction"), "series"]) if "preset" in d else set()
+
+
 def _presets(kind: str, *names: str) -> tuple[Preset, ...]:
     return tuple(Preset(kind, n) for n in names)
 
 
 MATCHED_BITS = ("matched_bits", "matched_bits_turboquant")
+FRONTIER = ("frontier_kvtc", "frontier_kvtc_window0", "frontier_aquakv", "frontier_kvquant", "frontier_turboquant",
+            "frontier_kivi", "frontier_delta")
 SECTIONS = {s.name: s for s in (
     Section("overview", (), overview),
     Section("per_vector", _presets("run", "per_vector_turboquant", "per_vector_kivi"), per_vector),
@@ -276,6 +449,9 @@ SECTIONS = {s.name: s for s in (
             prefix_sharing),
     Section("accuracy", _presets("eval", *MATCHED_BITS), accuracy_study),
     Section("end_to_end", _presets("latency", *MATCHED_BITS, "latency_lossless", "latency_model"), end_to_end),
+    Section("frontier", _presets("run", *FRONTIER), frontier),
+    # the per-vector quantizers of the frontier presets are the eviction study's reference at similar stored bits
+    Section("eviction", _presets("run", "eviction", "eviction_inner", "frontier_kivi", "frontier_turboquant"), eviction),
 )}
 
 

@@ -54,6 +54,17 @@ CATALOGUE = {c.key: c for c in (
     _col("lossless", "lossless"),
     _col("n_sequences", "windows", "d"),
     _col("compressor_params.bits", "bits", "g"),  # nominal: what the compressor was asked for
+    # bitstreams alone against the codec's fitted parameters (charged once per run in bits_per_element)
+    _col("stream_bits_per_element", "stream bits/elt", ".3f"),
+    _col("stream_compression_ratio", "stream ratio", ".2f"),
+    _col("codec_bits", "codec bits (once)", ",.0f"),
+    _col("exact_tokens", "exact 16-bit tokens"),
+    # eviction: the kept fraction, what is always kept, how the kept KV is stored, what the positions cost
+    _col("compressor_params.keep", "keep", "g"),
+    _col("always_kept", "always kept"),
+    _col("kept_coding", "kept KV"),
+    _col("positions_bits_per_element", "positions bits/elt", ".3f"),
+    _col("vs_random", "vs random, same keep"),
     _col("encode_s_per_seq", "encode s/seq", ".2f"),
     _col("decode_s_per_seq", "decode s/seq", ".2f"),
     _col("encode_ms_per_token", "encode ms/token", ".3f"),

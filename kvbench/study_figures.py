@@ -197,3 +197,41 @@ def end_to_end(lat: pd.DataFrame):
         bx.set_title("decode slowdown")
     pl.legend(fig, [ax, bx])
     return fig, ""
+
+
+def nll_vs_stream_bits(df: pd.DataFrame, title: str, reference: set[str] = frozenset()):
+    """Delta NLL with its paired 95% interval against the stream bits per element (the bitstreams alone; codec
+    parameters fitted on other text are the codec's), one curve per ``series``, the 1% NLL line; ``reference``
+    curves drawn lighter. A series whose rows carry ``exact_tokens`` names them in its legend entry."""
+    d = df.assign(x=pd.to_numeric(df.get("stream_bits_per_element"), errors="coerce")) if not df.empty else df
+    d = pl.finite(d, "x", "delta_nll")
+    if d.empty:
+        return None, "no run has stream_bits_per_element and delta_nll"
+    styles = series_styles(d["series"])
+    with rc_context(STYLE):
+        fig, (ax,) = pl.grid(1, w=5.6, h=3.8)
+        for name, s in d.groupby("series", sort=True):
+            s = s.sort_values("x")
+            exact = s["exact_tokens"].dropna().astype(str).unique() if "exact_tokens" in s else []
+            label = name + (f" (exact: {exact[0]})" if len(exact) == 1 and exact[0] not in ("none", "-") else "")
+            style = {**styles[name], **({"alpha": 0.55, "linewidth": 0.9} if name in reference else {})}
+            ax.plot(s["x"], s["delta_nll"], label=label + (" [reference]" if name in reference else ""), **style)
+            lo = (s["delta_nll"] - pd.to_numeric(s.get("delta_nll_low"), errors="coerce")).clip(lower=0)
+            hi = (pd.to_numeric(s.get("delta_nll_high"), errors="coerce") - s["delta_nll"]).clip(lower=0)
+            if lo.notna().any():
+                ax.errorbar(s["x"], s["delta_nll"], yerr=[lo.fillna(0), hi.fillna(0)], fmt="none",
+                            ecolor=style["color"], elinewidth=0.8, capsize=2, alpha=style.get("alpha", 1.0))
+        ys = list(d["delta_nll"]) + [v for c in ("delta_nll_low", "delta_nll_high") if c in d
+                                     for v in pd.to_numeric(d[c], errors="coerce").dropna()]
+        base = pd.to_numeric(d.get("nll_base"), errors="coerce").mean() if "nll_base" in d else np.nan
+        if np.isfinite(base):
+            ax.axhline(0.01 * base, color="grey", linestyle=":", linewidth=1, label=f"1% NLL ({0.01 * base:.3f} nats)")
+            ys.append(0.01 * base)
+        ax.axhline(0, color="black", linewidth=0.6)
+        pl.log_if_spans(ax, "x", d["x"], base=2, span=4)
+        pl.symlog_if_spans(ax, ys)
+        ax.set_xlabel("stream bits per K/V element (16-bit cache = 16)")
+        ax.set_ylabel(r"$\Delta$NLL (nats/token, held-out text), 95% CI")
+        ax.set_title(f"{title}: {_title(d)}" if _title(d) else title)
+    pl.legend(fig, [ax])
+    return fig, ""

@@ -239,7 +239,10 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
              bits_per_token=bits * 11520, bound_bits_per_token=5.07, compression_ratio=16 / bits, lossless=i % 3 == 0,
              delta_nll=0.01 * (i % 5), nll_base=3.16, rel_mse_k=0.01, rel_mse_v=0.02, encode_MBps=80.0 + i,
              decode_MBps=150.0, encode_s=4.0, decode_s=2.0 + i, dtype="float16", trace="/t/smollm2-sotu-aaaa",
-             side_info_bits=1000 * i, bits_by_part={"codes": 7e7, "frame": 2e3})
+             side_info_bits=1000 * i, bits_by_part={"codes": 7e7, "frame": 2e3}, stream_bits_per_element=bits - 0.1,
+             codec_bits=1000 * i, delta_nll_ci=[0.01 * (i % 5) - 0.005, 0.01 * (i % 5) + 0.005])
+    if "keep" in params:  # eviction: the kept positions' bits
+        s.update(compressor_stats={"positions_bits": 1e6}, n_elements=n_tok * 11520)
     if s["compressor"] in ("delta", "speculative"):  # residual coders: where their bits go
         s.update(bits_by_part={"k.residual": 7e7, "v.residual": 8e7, "scales": 2e5, "frame": 2e3},
                  compressor_stats={"ideal_bits.k.residual": 6.9e7, "ideal_bits.v.residual": 7.9e7})
@@ -288,7 +291,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     res = write_report([study_runs], tmp_path, ("png",), sections=studies)
     assert not res["without_runs"] and not res["empty"], res["empty"]
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
-               "prefix_sharing_composition", "accuracy", "end_to_end"}
+               "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
+               "eviction_smollm2_135m"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
@@ -307,6 +311,12 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| all | 30 |" in md["accuracy"]
     assert len(_rows(md["end_to_end"])) == 2 * (3 * 3 + 2 + 2 * 1)  # both caches per context, per cell
     assert "| DynamicCache (run of kivi) | 512 |" in md["end_to_end"] and "| 0.500 | 0.250 |" in md["end_to_end"]
+    assert md["frontier"].count("## ") == 2 and "| smollm2_135m | kvtc | 1 | 4 sinks + 128 recent |" in md["frontier"]
+    assert "| smollm2_135m | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
+    assert "| turboquant (range-coded) | 2 | none |" in md["frontier"]
+    assert md["eviction"].count("## ") == 2
+    assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
+    assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]
     for name in studies:
         assert (tmp_path / f"{name}.md").read_text() == md[name]
         assert r"\begin{tabular}" in (tmp_path / f"{name}.tex").read_text()

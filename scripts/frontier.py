@@ -1,0 +1,18 @@
+"""The frontier on both packaged models: the fitted transform and predictive coders (KVTC, AQUA-KV, KVQuant,
+range-coded TurboQuant) beside the per-vector and delta references (KIVI, TurboQuant, delta), each cell's rate as
+stream bits per element and its held-out NLL change with a paired 95% interval.
+
+    .venv/bin/python scripts/frontier.py [--no-run] [--force] [OVERRIDE ...]
+
+Runs the cells of configs/experiment/frontier_*.yaml that have no finished run (in one process, each measured cell
+under the benchmark lock; runs under results/runs), then writes the report section frontier
+(results/report/frontier.{md,tex,csv}, results/report/figures/frontier_<model>.{png,pdf}) and its tables into
+results/frontier.md between its markers (the findings around them are kept).
+"""
+
+import sys
+
+from kvbench.studies import main
+
+if __name__ == "__main__":
+    sys.exit(main("frontier", __doc__.split("\n\n")[0], lock=True, findings="frontier.md"))

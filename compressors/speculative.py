@@ -8,9 +8,10 @@ The stream holds the token ids and the residual of the true KV against the copy'
   distribution by :class:`compressors.recompute.Recompute` (its bitstream embedded whole), which costs a
   one-token-at-a-time pass of the copy on both sides; ``token_coding=plain`` stores them at ceil(log2 V) bits
   each, and decoding is then one prefill.
-- the residual, coded by :class:`compressors.residual.ResidualCoder` exactly like ``delta``'s: every 16-bit value
-  exactly (``step=0``, lossless) or uniformly quantized with ``step`` (error at most ``step/2`` before rounding to
-  the cache dtype). The prediction does not depend on the reconstruction, so there is no loop over units.
+- the residual, coded by :class:`compressors.residual.ResidualCoder` like ``delta``'s: every 16-bit value exactly
+  under a value-space Laplace (``step=0``, lossless; ``delta``'s ``exact_coder=laplace``) or uniformly quantized
+  with ``step`` (error at most ``step/2`` before rounding to the cache dtype). The prediction does not depend on
+  the reconstruction, so there is no loop over units.
 - ``crc``: encoder and decoder must compute the same prediction to the bit, so the stream carries a CRC-32 of the
   reconstruction and a decoder whose kernels round differently fails loudly instead of returning another cache.
 
@@ -107,7 +108,9 @@ class Speculative(Compressor):
         check_range("speculative", "step", self.step, 0.0, 1e4)
         self.step = float(self.step)
         self._tokens = Recompute()  # the token coder, run on the cheap copy
-        self._coder = ResidualCoder("speculative", invalid=MISMATCH)
+        # the value-space Laplace: the copy's prediction is so close that modelling it in value space pays
+        # (5.09 bits/element on a SmolLM2 window against 5.77 with byte planes); the copy's passes dominate the time
+        self._coder = ResidualCoder("speculative", invalid=MISMATCH, exact="laplace")
         self._cheap: tuple[int, Any] | None = None
         self._stats: Counter = Counter()
 

@@ -1,6 +1,6 @@
-"""delta: predictive delta coding. Exactness, the closed-loop error bound, codec state (its bits, its bytes loaded
-on a fresh decoder, malformed sections), fields, and the exact float coder underneath. The model predictor is
-``speculative`` (tests/test_speculative.py)."""
+"""delta: predictive delta coding. Exactness (both exact coders), the closed-loop error bound, codec state (its
+bits, its bytes loaded on a fresh decoder, malformed sections), fields, and the exact coders underneath: residual
+byte planes and the value-space float coder. The model predictor is ``speculative`` (tests/test_speculative.py)."""
 
 import math
 
@@ -9,14 +9,19 @@ import pytest
 import torch
 
 from compressors.delta import Delta
+from compressors.delta_predictors import FromModel, Temporal
+from compressors.lossless import Lossless
+from compressors.residual import ResidualCoder, unzigzag, zigzag
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.float_coding import decode_values, encode_values, from_codes, to_codes
+from kvbench.coding.packing import unpack_codes
 from kvbench.compressor import rebuild
 from kvbench.config import compose, make_compressor
 from kvbench.kv import Context, KVSequence
 
 FITTED = ["previous", "linear", "cross_layer"]
+EXACT = ["planes", "laplace"]
 
 
 def _roundtrip(comp, kv, ctx=None):
@@ -48,28 +53,34 @@ def _walk(L=3, H=2, T=160, D=16, dtype=torch.float16, seed=0):
     return KVSequence(k, v, torch.randint(0, 128, (T,), generator=g))
 
 
+@pytest.mark.parametrize("exact_coder", EXACT)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("predictor", FITTED)
-def test_lossless_is_bit_exact_for_every_predictor(predictor, dtype, random_kv):
-    comp = Delta(predictor=predictor, step=0)
+def test_lossless_is_bit_exact_for_every_predictor(predictor, dtype, exact_coder, random_kv):
+    comp = Delta(predictor=predictor, step=0, exact_coder=exact_coder)
     comp.fit([random_kv(T=64, seed=3, dtype=dtype)])
     kv = random_kv(T=64, dtype=dtype)
     kv.k[0, 0, 5, :4] = torch.tensor([0.0, -0.0, float("inf"), -1e-7]).to(dtype)  # zeros, inf, subnormal
+    kv.v[1, 1, 7:9, 3] = torch.tensor([-float("inf"), float("nan")]).to(dtype)
+    kv.v[1, 0, 7:10, 2] = torch.tensor([0x7C01, -0x0201, 0x7FFF], dtype=torch.int16).view(dtype)  # NaN payloads
     bs, out = _roundtrip(comp, kv)
     assert comp.lossless
     assert _same_bits(out.k, kv.k) and _same_bits(out.v, kv.v)
-    assert bs.parts["k.residual"] > 0 and bs.parts["scales"] > 0
+    assert bs.parts["k.residual"] > 0 and bs.parts["v.residual"] > 0
+    # planes: each kind's section holds all it needs; laplace: the scales travel in their own section
+    assert set(bs.parts) == {"frame", "k.residual", "v.residual"} | ({"scales"} if exact_coder == "laplace" else set())
 
 
+@pytest.mark.parametrize("exact_coder", EXACT)
 @pytest.mark.parametrize("predictor", FITTED)
-def test_prediction_pays_on_correlated_kv(predictor):
+def test_prediction_pays_on_correlated_kv(predictor, exact_coder):
     """On random walks every predictor codes exactly below the 16-bit baseline, and the coder's actual size
     sits within 1% of the model's own -log2 p estimate."""
-    comp = Delta(predictor=predictor)
+    comp = Delta(predictor=predictor, exact_coder=exact_coder)
     comp.fit([_walk(seed=4)])
     kv = _walk()
     bs, out = _roundtrip(comp, kv)
-    assert _same_bits(out.k, kv.k)
+    assert _same_bits(out.k, kv.k) and _same_bits(out.v, kv.v)
     assert bs.num_bits / kv.n_elements < 13.0
     st = comp.stats()
     for kind in ("k", "v"):
@@ -289,6 +300,7 @@ def test_codec_state_reaches_the_summary(tiny_cfg, tiny_handle):
     ("step=-0.1", r"delta\.step=-0\.1 is out of range; allowed: 0\.0 <= step"),
     ("weight_bits=3", r"delta\.weight_bits=3 is out of range; allowed: 4 <= weight_bits <= 16"),
     ("bits=40", r"delta\.bits=40.* allowed: 0\.25 <= bits <= 12"),
+    ("exact_coder=zstd", r"delta\.exact_coder='zstd' is not allowed; choose one of \['planes', 'laplace'\]"),
 ])
 def test_bad_fields_name_what_is_allowed(override, match):
     cfg = compose(["+compressor=delta", f"compressor.{override}"])
@@ -299,7 +311,7 @@ def test_bad_fields_name_what_is_allowed(override, match):
 @pytest.mark.parametrize("field", ["predictor_dtype=int8", "token_coding=plain"])
 def test_the_model_predictor_fields_are_no_longer_delta_fields(field):
     cfg = compose(["+compressor=delta", f"+compressor.{field}"])
-    with pytest.raises(ValueError, match=r"'delta' has no field.*its fields are \['bits', 'order', 'predictor', 'step', 'weight_bits'\]"):
+    with pytest.raises(ValueError, match=r"'delta' has no field.*its fields are \['bits', 'exact_coder', 'order', 'predictor', 'step', 'weight_bits'\]"):
         make_compressor(cfg.compressor)
 
 
@@ -358,3 +370,88 @@ def test_float_coder_costs_what_the_prediction_is_worth():
         encode_values(enc, x, mu.numpy(), np.full(x.shape, sigma))
         costs.append(enc.finish()[1] / x.numel())
     assert costs[0] > 8 and costs[2] < 1.5 and costs == sorted(costs, reverse=True)
+
+
+# ---- the exact residual planes -----------------------------------------------------------------------------------
+
+
+def test_zigzag_maps_small_differences_to_small_codes_and_inverts():
+    d = np.arange(65536, dtype=np.uint32).astype(np.uint16)  # every difference modulo 2**16
+    z = zigzag(d)
+    assert np.array_equal(np.sort(z), d)  # a bijection
+    assert np.array_equal(unzigzag(z), d)
+    signed = d.view(np.int16).astype(np.int64)
+    assert np.array_equal(z.astype(np.int64), np.where(signed >= 0, 2 * signed, -2 * signed - 1))
+
+
+def _modes(section: bytes, n_channels: int) -> torch.Tensor:
+    """The per-channel mode bits at the head of a planes residual section (1: residual from the prediction)."""
+    return unpack_codes(section[: -(-n_channels // 8)], 1, n_channels).bool()
+
+
+def _sorted_patterns(dtype, shape):
+    """All 65,536 patterns (NaNs, infinities, -0, subnormals) in value order along the tokens: consecutive tokens
+    differ by one step of the code, except across zero and into the NaNs."""
+    L, H, T, D = shape
+    x = from_codes(np.arange(65536), dtype)
+    return x.reshape(L, H, D, T).permute(0, 1, 3, 2).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("predictor", ["previous", "model"])
+def test_planes_code_every_16_bit_pattern_exactly(dtype, predictor):
+    """K: every pattern in value order, so the prediction pays on every channel (the decoder's cumulative sum for
+    ``previous``, its loop over units for a model's prediction); V: the same patterns shuffled, where neither mode
+    beats 16 bits."""
+    shape = (2, 2, 256, 64)
+    g = torch.Generator().manual_seed(0)
+    k = _sorted_patterns(dtype, shape)
+    v = k.reshape(-1)[torch.randperm(k.numel(), generator=g)].reshape(shape)
+    kv = KVSequence(k, v)
+    if predictor == "previous":
+        preds = {"k": Temporal(), "v": Temporal()}
+    else:  # within about one float16 step of every finite value
+        noisy = lambda x: torch.where(x.isfinite(), x.double() * (1 + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)), 0.0)  # noqa: E731
+        preds = {kind: FromModel(noisy(getattr(kv, kind))) for kind in "kv"}
+    coder = ResidualCoder("test")
+    coded = coder.encode(kv, preds, None)
+    assert list(coded.sections) == ["k.residual", "v.residual"]
+    out = coder.decode(coded.sections, preds, shape, dtype, None)
+    assert _same_bits(out["k"], k) and _same_bits(out["v"], v)
+    modes = _modes(coded.sections["k.residual"], shape[0] * shape[1] * shape[3]).reshape(2, 2, 64)
+    # the model predicts every finite value (its NaN channels are cheaper coded as they are)
+    assert modes.all() if predictor == "previous" else modes[k.isfinite().all(2)].all()
+
+
+def test_each_channel_codes_its_residual_only_where_that_pays():
+    """Slowly moving channels code their residual from the previous token, i.i.d. channels their values; together
+    they beat the byte planes of the values alone."""
+    L, H, T, D = 2, 2, 512, 32
+    g = torch.Generator().manual_seed(0)
+    smooth = torch.randn(L, H, T, D // 2, generator=g).cumsum(2) * 0.01 + 3  # a few float16 steps per token
+    noisy = torch.randn(L, H, T, D // 2, generator=g) * torch.logspace(-2, 1, D // 2)  # channel outliers
+    kv = KVSequence(torch.cat([smooth, noisy], dim=3).half(), torch.cat([noisy, noisy.flip(2)], dim=3).half())
+    ctx = Context.for_kv(kv)
+    comp = Delta()
+    bs, out = _roundtrip(comp, kv, ctx)
+    assert _same_bits(out.k, kv.k) and _same_bits(out.v, kv.v)
+    sec = bs.sections()
+    k_modes = _modes(sec["k.residual"], L * H * D).reshape(L, H, D)
+    assert k_modes[..., : D // 2].all() and not k_modes[..., D // 2 :].any()
+    assert not _modes(sec["v.residual"], L * H * D).any()
+    assert bs.num_bits < Lossless().encode(kv, ctx).num_bits
+
+
+def test_a_planes_section_that_does_not_add_up_is_refused():
+    kv = _walk()
+    ctx = Context.for_kv(kv)
+    comp = Delta()
+    bs = comp.encode(kv, ctx)
+    sec = bs.sections()
+    for bad in (b"", sec["k.residual"][:10], sec["k.residual"][:-1], sec["k.residual"] + b"\x00"):
+        with pytest.raises(BitstreamError, match=r"delta: (residual section|plane header)"):
+            comp.decode(Bitstream.pack("delta", {**sec, "k.residual": bad}), ctx)
+    corrupted = bytearray(bs.data)
+    corrupted[len(corrupted) // 2] ^= 0x10
+    with pytest.raises(BitstreamError, match="checksum mismatch"):
+        comp.decode(Bitstream.from_bytes(bytes(corrupted)), ctx)

@@ -57,3 +57,32 @@ def test_several_batches_share_one_stream():
     dec = entropy.StreamDecoder(enc.finish()[0])
     assert np.array_equal(dec.categorical(x.size, np.array([0.5, 0.3, 0.2])), x)
     assert np.array_equal(dec.laplace(y.size, 2.0, -10, 10), y)
+
+
+def test_laplace_bits_closed_form_matches_the_cdf_and_stays_finite_far_out():
+    rng = np.random.default_rng(3)
+    x = np.clip(np.round(rng.laplace(0, 3.0, 2000)), -30, 30)
+    mean, scale = rng.normal(0, 2, x.size), rng.uniform(2, 20, x.size)
+
+    def cdf(t):  # |t| / b < 20 here, where the difference of CDFs keeps enough digits
+        tail = 0.5 * np.exp(-np.abs(t) / scale)
+        return np.where(t < 0, tail, 1 - tail)
+
+    ref = -np.log2(cdf(x - mean + 0.5) - cdf(x - mean - 0.5))
+    assert np.allclose(entropy.laplace_bits(x, scale, mean), ref, rtol=1e-6)
+    # far on the upper side the CDF difference cancels to 0; the closed form keeps the tail's true cost
+    far = entropy.laplace_bits(np.array([40.0]), 1.0)
+    assert far[0] == pytest.approx(40 / np.log(2) - np.log2(np.sinh(0.5)), rel=1e-12)
+    assert entropy.ideal_bits_laplace(x, scale, mean) == pytest.approx(ref.sum(), rel=1e-6)
+
+
+def test_categorical_rows_give_each_group_its_own_row():
+    rng = np.random.default_rng(4)
+    rows = [rng.dirichlet(np.full(k, 0.5)) for k in (3, 17, 64)]
+    symbols = np.stack([rng.choice(len(p), 500, p=p) for p in rows])  # (3, 500)
+    enc = entropy.StreamEncoder()
+    enc.categorical_rows(symbols, rows)
+    raw, nbits = enc.finish()
+    assert np.array_equal(entropy.StreamDecoder(raw).categorical_rows(500, rows), symbols)
+    ideal = sum(entropy.ideal_bits_categorical(s, p) for s, p in zip(symbols, rows))
+    assert ideal <= nbits <= ideal * 1.01 + 64

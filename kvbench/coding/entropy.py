@@ -9,6 +9,8 @@ show coder overhead (actual vs. model-estimated rate, as CompressAI does).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import constriction
 import numpy as np
 
@@ -36,17 +38,27 @@ def _safe_scale(scale, n: int) -> np.ndarray:
     return np.maximum(_as_params(scale, n), 1e-3)
 
 
+def laplace_bits(symbols: np.ndarray, scale, mean=0.0) -> np.ndarray:
+    """-log2 p of each symbol under the same quantized Laplace (flattened), floored where p underflows (1e-300).
+
+    In closed form, one transcendental call per symbol: with ``t = |x - mean|`` and scale ``b``, a cell that lies on
+    one side of the mean (``t >= 1/2``) has mass ``exp(-t/b) sinh(1/(2b))``, the cell around it
+    ``1 - exp(-1/(2b)) cosh(t/b)``; a difference of two CDFs would cancel to 0 far out on the upper side.
+    """
+    t = np.abs(np.asarray(symbols, dtype=np.float64).reshape(-1) - _as_params(mean, np.size(symbols)))
+    b = _safe_scale(scale, t.size)
+    bits = np.empty_like(t)
+    far = t >= 0.5
+    tf, bf = t[far], b[far]
+    bits[far] = tf / (bf * np.log(2.0)) - np.log2(np.sinh(0.5 / bf))
+    tn, bn = t[~far] / b[~far], 0.5 / b[~far]
+    bits[~far] = -np.log2(-0.5 * (np.expm1(tn - bn) + np.expm1(-tn - bn)))
+    return np.minimum(bits, -np.log2(1e-300))
+
+
 def ideal_bits_laplace(symbols: np.ndarray, scale, mean=0.0) -> float:
     """The model's own estimate of the coded size, sum(-log2 p), for the same quantized Laplace."""
-    x = np.asarray(symbols, dtype=np.float64).reshape(-1) - _as_params(mean, np.size(symbols))
-    b = _safe_scale(scale, x.size)
-
-    def cdf(t):
-        tail = 0.5 * np.exp(-np.abs(t) / b)  # both branches of the where are evaluated: keep exp from overflowing
-        return np.where(t < 0, tail, 1 - tail)
-
-    p = np.maximum(cdf(x + 0.5) - cdf(x - 0.5), 1e-300)
-    return float(-np.log2(p).sum())
+    return float(laplace_bits(symbols, scale, mean).sum())
 
 
 def ideal_bits_categorical(symbols: np.ndarray, probs: np.ndarray) -> float:
@@ -79,6 +91,13 @@ class StreamEncoder:
         else:
             self._enc.encode(s, _model.Categorical(perfect=False), np.ascontiguousarray(p))
 
+    def categorical_rows(self, symbols: np.ndarray, probs: Sequence[np.ndarray]) -> None:
+        """Code row ``g`` of ``symbols`` ``(G, n)`` under its own distribution ``probs[g]`` (``(K_g,)``): one
+        histogram per group (a channel, a head), one coder call per group without per-call conversions."""
+        s = np.ascontiguousarray(symbols, dtype=np.int32)
+        for row, p in zip(s, probs):
+            self._enc.encode(row, _model.Categorical(p, perfect=False))
+
     def laplace(self, symbols: np.ndarray, scale, lo: int, hi: int, mean=0.0) -> None:
         """Code integers in ``[lo, hi]`` under a quantized Laplace with per-symbol (or scalar) mean and scale."""
         s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
@@ -105,6 +124,15 @@ class StreamDecoder:
             return self._decoder().decode(_model.Categorical(p, perfect=False), n).astype(np.int32)
         return self._decoder().decode(_model.Categorical(perfect=False), np.ascontiguousarray(p)).astype(np.int32)
 
+    def categorical_rows(self, n: int, probs: Sequence[np.ndarray]) -> np.ndarray:
+        """Read back what :meth:`StreamEncoder.categorical_rows` wrote: ``len(probs)`` rows of ``n``, ``(G, n)``."""
+        out = np.empty((len(probs), n), dtype=np.int32)
+        if out.size:
+            dec = self._decoder()
+            for g, p in enumerate(probs):
+                out[g] = dec.decode(_model.Categorical(p, perfect=False), n)
+        return out
+
     def laplace(self, n: int, scale, lo: int, hi: int, mean=0.0) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=np.int32)
@@ -117,4 +145,4 @@ class StreamDecoder:
         return self._dec
 
 
-__all__ = ["StreamDecoder", "StreamEncoder", "ideal_bits_categorical", "ideal_bits_laplace"]
+__all__ = ["StreamDecoder", "StreamEncoder", "ideal_bits_categorical", "ideal_bits_laplace", "laplace_bits"]

@@ -110,7 +110,7 @@ class KIVI(Compressor):
         if (H * nk * D * b) % 8 or (H * nv * D * b) % 8:
             return None
         sec = bs.sections(expect=self.name)
-        as_bytes = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        as_bytes = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         held = {
             "k.codes": as_bytes(sec["k.codes"]).reshape(L, -1),  # (L, H*nk*D*b/8) packed, LSB first
             "v.codes": as_bytes(sec["v.codes"]).reshape(L, -1),

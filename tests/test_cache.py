@@ -327,3 +327,12 @@ def test_a_model_decoder_restores_each_segment_once_not_every_step(tiny_model, m
     assert cache.nbytes() == 2 * 2 * 2 * 34 * 16 * 2  # it holds 16-bit KV after restoring, and says so
     for a, b in zip(base, got):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_kivi_segment_shorter_than_a_key_group_is_all_tail(tiny_model):
+    ids = _ids(5, seed=14)
+    cache = CompressedCache(KIVI(bits=2, group_size=16), residual=0, model=tiny_model)
+    base = _decode_logits(tiny_model, CompressedCache(None, model=tiny_model), ids, 2)
+    got = _decode_logits(tiny_model, cache, ids, 2)
+    assert cache.segments[0].length == 5 and torch.isfinite(got[-1]).all()
+    assert torch.equal(base[0], got[0])

@@ -173,3 +173,15 @@ def test_six_flips_one_way_are_the_fewest_mcnemar_calls_significant():
     assert got["smallest_significant_diff"] == pytest.approx(6 / 20) and got["mcnemar_p"] < 0.05
     comp[5] = 1
     assert paired_binary(base, comp)["mcnemar_p"] >= 0.05
+
+
+def test_generation_stops_at_the_first_stop_string(handle):
+    lm = CompressedKVLM(handle, Identity(), residual=0, progress=False)
+    free = Instance("generate_until", {}, ("abc", {"until": ["\x00never"], "max_gen_toks": 12}), 0)
+    (text,) = lm.generate_until([free])
+    assert len(text) > 2, "the tiny model's greedy text is too short for this test"
+    stop = text[1]
+    lm2 = CompressedKVLM(handle, Identity(), residual=0, progress=False)
+    (cut,) = lm2.generate_until([Instance("generate_until", {}, ("abc", {"until": [stop], "max_gen_toks": 12}), 0)])
+    assert cut == text.split(stop)[0]
+    assert lm2.accounting["generated_tokens"] < lm.accounting["generated_tokens"]  # it stopped early

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from kvbench.cache import CompressedCache
@@ -37,6 +37,19 @@ def _gen_key(context: str, gen_kwargs: dict) -> tuple:
 def _bar(iterable: Any = None, **kw: Any) -> tqdm:
     # disable=None: drawn on a terminal, silent in logs and pipes
     return tqdm(iterable, leave=False, disable=None, **kw)
+
+
+class _StopStrings(StoppingCriteria):
+    """Stop greedy generation once the text generated so far contains a stop string: the answer is cut there
+    anyway, so the tokens after it cost time and change nothing (both sides stop by the same rule)."""
+
+    def __init__(self, tokenizer: Any, start: int, until: list[str]) -> None:
+        self.tok, self.start, self.until = tokenizer, start, [u for u in until if u]
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        text = self.tok.decode(input_ids[0, self.start :], skip_special_tokens=True)
+        done = any(u in text for u in self.until)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 class _TokenBar(BaseStreamer):
@@ -175,6 +188,7 @@ class CompressedKVLM(LM):
         before = cache.stats()["decode_s"]
         gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new,
                                   do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=self.eos,
+                                  stopping_criteria=StoppingCriteriaList([_StopStrings(self.tok, len(ctx), until)]),
                                   streamer=_TokenBar(max_new, desc) if self.progress else None)
         if cache.compressor is not None:
             self.accounting["decode_s"] += cache.stats()["decode_s"] - before

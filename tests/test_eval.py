@@ -126,6 +126,12 @@ def test_runner_pairs_lm_eval_results(handle, tmp_path, monkeypatch):
     assert mc["lm_eval_base"]["acc,none"] == mc["acc_base"]
     assert summary["bits_per_element"] > 16  # identity: 16 bits plus the frame
     assert len(rows) == 6 and "toy_mc" in format_eval(summary)
+    assert mc["chance"] == 0.5 and gen["chance"] == 0.0  # two choices; a generated key is never right by chance
+    for t in (mc, gen):
+        assert t["near_chance"] == (t["acc_base"] < t["chance"] + 0.1)
+    clear = [t for t in (mc, gen) if not t["near_chance"]]
+    assert summary["overall_informative"]["n"] == sum(t["n"] for t in clear)
+    assert summary["near_chance_tasks"] == sorted(n for n, t in summary["tasks"].items() if t["near_chance"])
 
 
 def test_eval_config_composes_with_the_model_and_dataset_groups():

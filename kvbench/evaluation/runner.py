@@ -24,6 +24,8 @@ from kvbench.results import git_sha
 PRIMARY = {"generate_until": ("exact_match", "first_number"), "multiple_choice": ("acc", "none"), "loglikelihood": ("acc", "none")}
 # RULER tasks score generations with their own string match (a fraction of the expected values found)
 PRIMARY_RULER = (ruler.METRIC, "none")
+#: a task whose 16-bit accuracy is below chance + this margin is flagged and left out of the pooled verdict
+NEAR_CHANCE_MARGIN = 0.1
 
 
 def primary(spec: dict) -> tuple[str, str]:
@@ -75,9 +77,13 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
         c = np.array([float(c_samples[i][metric]) for i in ids])
         key = f"{metric},{filt}"
         same = sum(b_samples[i]["filtered_resps"] == c_samples[i]["filtered_resps"] for i in ids)
+        # a multiple-choice example is right by chance one time in its number of choices; generated answers never
+        chance = float(np.mean([1 / max(len(b_samples[i]["resps"]), 1) for i in ids])) if spec["output_type"] == "multiple_choice" and ids else 0.0
         per_task[name] = {
             "metric": metric,
             **paired_binary(b, c),
+            "chance": chance,
+            "near_chance": bool(ids) and float(b.mean()) < chance + NEAR_CHANCE_MARGIN,
             # raw responses (log-likelihoods, generated text) equal to the baseline's, not only the metric
             "identical_responses": int(same),
             "lm_eval_base": {key: base["results"][name].get(key), "stderr": base["results"][name].get(f"{metric}_stderr,{filt}")},
@@ -97,6 +103,10 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
         "kind": "eval",
         "tasks": per_task,
         "overall": paired_binary(np.array([r["base"] for r in rows]), np.array([r["comp"] for r in rows])),
+        # pooled over the tasks whose 16-bit accuracy is clear of chance: a task the model cannot do cannot lose
+        "near_chance_tasks": sorted(t for t, v in per_task.items() if v["near_chance"]),
+        "overall_informative": paired_binary(*(np.array([r[side] for r in rows if not per_task[r["task"]]["near_chance"]])
+                                               for side in ("base", "comp"))),
         "limit": limit,
         "n_examples": len(rows),
         "cache": {"residual": cfg.cache.residual, "chunk": int(cfg.cache.chunk), "mode": str(cfg.cache.mode), "dtype": cfg.dtype},
@@ -127,9 +137,13 @@ def format_eval(s: dict) -> str:
     lines = [f"  {s['compressor']} vs 16-bit baseline on {s['model']}  ({s['n_examples']} examples, limit {s['limit']}/task, "
              f"{s['bits_per_element']:.3f} bits/element held for {s['compressed_fraction']:.0%} of context tokens)",
              f"  {'task':<16} {'n':>4}  {'baseline':>14}  {'compressed':>14}  {'diff [95% CI]':>24}  {'McNemar p':>9}"]
-    for name, t in [*s["tasks"].items(), ("all", s["overall"])]:
+    pooled = [("all", s["overall"])]
+    if s.get("near_chance_tasks"):
+        pooled.append(("clear of chance", s.get("overall_informative", {})))
+    for name, t in [*s["tasks"].items(), *pooled]:
         if not t.get("n"):
             continue
+        name = f"{name} (near chance)" if t.get("near_chance") else name
         lines.append(f"  {name:<16} {t['n']:>4}  {t['acc_base']:.3f} ± {t['stderr_base']:.3f}  {t['acc_comp']:.3f} ± {t['stderr_comp']:.3f}  "
                      f"{t['diff']:+.3f} [{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]  {t['mcnemar_p']:>9.3g}")
     return "\n".join(lines)

@@ -42,3 +42,23 @@ def test_a_trace_windows_baseline_is_scored_once_and_only_reused_for_the_same_tr
     runner._base_nlls(built, "/traces/a", 0, it)
     runner._base_nlls(built, "/traces/a", 0, it)
     assert built.calls == 2
+
+
+def test_a_bit_exact_decode_reuses_the_baselines_nlls_and_a_lossy_one_is_scored(tiny_cfg, tiny_handle, monkeypatch):
+    from kvbench.config import make_compressor
+
+    scored = []
+    real = runner.continuation_nlls
+    monkeypatch.setattr(runner, "continuation_nlls", lambda model, kv, cont: scored.append(kv) or real(model, kv, cont))
+    monkeypatch.setattr(runner, "_BASE_NLLS", {})
+    cfg = tiny_cfg("+compressor=identity")
+    exact, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    windows = exact["n_sequences"]
+    # the baseline, once per window; the identical decoded caches are not scored again
+    assert len(scored) == windows and exact["nll_compressed_reused"] == windows
+    assert exact["nll_compressed"] == exact["nll_base"] and exact["delta_nll"] == 0.0
+    scored.clear()
+    cfg = tiny_cfg("+compressor=kivi", "compressor.residual=0")  # no 16-bit window: every token quantized
+    lossy, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    assert lossy["nll_compressed_reused"] == 0 and len(scored) >= windows  # every decoded cache scored
+    assert lossy["nll_base"] == exact["nll_base"] and lossy["delta_nll"] != 0.0

@@ -10,10 +10,11 @@ reconstruction is rounded to the cache dtype).
 ``exact_coder=`` picks the exact coder. ``planes`` (default): the zigzag difference of each value's 16-bit pattern
 from its prediction's, or the value itself where a channel is better coded without its prediction, through the
 byte-plane coder of :mod:`compressors.lossless`. ``laplace``: each value under a Laplace in value space centred on
-its prediction, 16 binary decisions per value. On the SmolLM2 defaults (window 0, fp16, 2 cores under load,
-MB/s per CPU-second) ``previous`` codes at 13.35 bits/element with ``planes`` at 37 / 44 MB/s encode / decode
-against 13.39 with ``laplace`` at under 2 MB/s; fitted predictors gain more from the value-space model
-(``linear`` 13.33 vs 13.07, ``cross_layer`` 13.25 vs 12.75) and pay for it in time.
+its prediction, 16 binary decisions per value. On the SmolLM2 defaults ``previous`` codes at 13.35 bits/element
+with ``planes`` (4 windows), encoding / decoding 35 / 43 MB of 16-bit KV per CPU-second (23 / 29 MB/s on the
+shared 2-core machine at load average 5.7, ``scripts/bench_compressors.py``), against 13.39 with ``laplace`` at
+1.7 / 2.0 MB/s. Fitted predictors gain more from the value-space model and pay for it in time (window 0:
+``linear`` 13.33 with ``planes`` at ~14 MB per CPU-second vs 13.07, ``cross_layer`` 13.25 at ~20 vs 12.75).
 
 Predictors (``predictor=``, see :mod:`compressors.delta_predictors`), predicting from the reconstructed cache:
 

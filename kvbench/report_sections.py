@@ -293,11 +293,14 @@ def exact_tokens(d: pd.DataFrame) -> pd.Series:
 
 
 def frontier_label(d: pd.DataFrame) -> pd.Series:
-    """A curve per coder: its name, TurboQuant's range-coded codes as their own curve."""
+    """A curve per coder: its name, TurboQuant's range-coded codes and KVTC without its exact recent window as
+    curves of their own."""
     if d.empty:
         return pd.Series(dtype=str)
+    name = d["compressor"].astype(str)
     coded = d.get("compressor_params.entropy_coding", pd.Series(False, index=d.index)).astype(str) == "True"
-    return d["compressor"].astype(str).where(~coded, d["compressor"].astype(str) + " (range-coded)")
+    no_window = (name == "kvtc") & (numeric(d, "compressor_params.window") == 0)
+    return name.where(~coded, name + " (range-coded)").where(~no_window, name + " (no window)")
 
 
 def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series")) -> pd.DataFrame:
@@ -309,11 +312,22 @@ def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series")) -> p
     if ok.empty:
         return ok
     best = ok.loc[numeric(ok, "stream_bits_per_element").groupby([ok[c] for c in by]).idxmin()]
-    return best.sort_values(["model", "stream_bits_per_element"], kind="stable")
+    return _model_first(best, "stream_bits_per_element", models=list(d["model"]))
 
 
 def _by_model(d: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return [(str(m), g) for m, g in d.groupby("model", sort=False)] if "model" in d and not d.empty else []
+
+
+def _model_first(d: pd.DataFrame, *then: str, models: Sequence[str] = ()) -> pd.DataFrame:
+    """The rows grouped by model (``models`` first, then the others in the order they first appear), then by
+    ``then``; stable otherwise."""
+    if d.empty or "model" not in d:
+        return d
+    order = {m: i for i, m in enumerate(dict.fromkeys([*models, *d["model"]]))}
+    keys = d.assign(_m=d["model"].map(order), **{f"_{c}": numeric(d, c) for c in then})
+    return keys.sort_values(["_m", *(f"_{c}" for c in then)], kind="stable").drop(
+        columns=["_m", *(f"_{c}" for c in then)])
 
 
 def _trace_notes(d: pd.DataFrame) -> str:
@@ -324,7 +338,7 @@ def _trace_notes(d: pd.DataFrame) -> str:
 def frontier(got: Collection) -> tuple[list[Table], Figures]:
     d = got.table
     d = d.assign(series=frontier_label(d), exact_tokens=exact_tokens(d))
-    d = d.assign(compressor=d["series"])
+    d = _model_first(d.assign(compressor=d["series"]))
     tables = [Table("frontier", d, FRONTIER_COLUMNS, "every cell", f"{_trace_notes(d)} {RATE_NOTE}".strip(), csv=True),
               Table("frontier", lowest_within(d), FRONTIER_BEST_COLUMNS,
                     "fewest stream bits per element within 1% NLL, per coder and model",
@@ -409,7 +423,7 @@ def eviction(got: Collection) -> tuple[list[Table], Figures]:
     ref = d.drop(ev.index)
     ev = ev.assign(series=eviction_label(ev), always_kept=always_kept(ev), kept_coding=kept_coding(ev),
                    positions_bits_per_element=numeric(ev, "compressor_stats.positions_bits") / numeric(ev, "n_elements"))
-    ev = ev.assign(vs_random=against_random(ev), compressor=ev["series"])
+    ev = _model_first(ev.assign(vs_random=against_random(ev), compressor=ev["series"]), "compressor_params.keep")
     ref = ref.assign(series=frontier_label(ref), exact_tokens=exact_tokens(ref))
     ref = ref.assign(compressor=ref["series"])
     tables = [Table("eviction", ev, EVICTION_COLUMNS, "every eviction cell", f"{_trace_notes(ev)} {EVICTION_NOTE}".strip(),
@@ -417,7 +431,7 @@ def eviction(got: Collection) -> tuple[list[Table], Figures]:
     snap = ev[ev["compressor"].astype(str).str.startswith("snapkv")].assign(exact_tokens="-")
     both = pd.concat([snap, ref], ignore_index=True)
     if not both.empty:
-        both = both.sort_values(["model", "stream_bits_per_element"], kind="stable")
+        both = _model_first(both, "stream_bits_per_element", models=list(ev["model"]))
         tables.append(Table("eviction", both, MATCHED_COLUMNS,
                             "eviction against quantization at similar stored bits", MATCHED_NOTE))
     every = pd.concat([ev, ref], ignore_index=True)
@@ -429,6 +443,82 @@ def eviction(got: Collection) -> tuple[list[Table], Figures]:
 def ref_names(d: pd.DataFrame) -> set[str]:
     """The curves of rows that are not eviction (the quantizers drawn for reference)."""
     return set(d.loc[~d["preset"].astype(str).str.startswith("eviction"), "series"]) if "preset" in d else set()
+
+
+# ---- RULER-style long-context accuracy ----------------------------------------------------------------------------
+RULER_BASE_COLUMNS = pick("model", "family", "length", "n", "acc_base", "chance", "near_chance_text")
+RULER_COLUMNS = pick("model", "compressor", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
+                     "diff_ci_text", "mcnemar_p", "smallest_significant_diff", formats={"bits_per_element": ".2f"})
+RULER_BASE_NOTE = ("16-bit accuracy per task family and length (the baseline side of every paired run; the same "
+                   "examples in each). A task under chance + {margin} is flagged near chance: the model cannot do it, "
+                   "so it cannot lose it, and it is left out of the pooled verdicts.")
+RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 95% interval; pooled = every task "
+              "clear of chance; smallest significant change = 6 one-way flips over n, the least change McNemar can "
+              "call at p < 0.05 with these examples: a smaller true change reads as no change.")
+
+
+def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:
+    """The RULER tasks' eval rows with their family, length and near-chance flag (from the 16-bit accuracy, for
+    runs that predate the flag too), then per run a ``pooled`` row over the tasks clear of chance."""
+    from kvbench.evaluation.ruler import PREFIX
+    from kvbench.evaluation.runner import NEAR_CHANCE_MARGIN
+    from kvbench.evaluation.stats import smallest_significant_flips
+
+    if ev.empty or "task" not in ev:
+        return ev
+    d = ev[ev["task"].astype(str).str.startswith(PREFIX)].copy()
+    if d.empty:
+        return d
+    parts = d["task"].astype(str).str.rsplit("_", n=1)
+    d["family"] = parts.str[0]
+    d["length"] = parts.str[1].str.removesuffix("k").astype(int) * 1024
+    d["chance"] = numeric(d, "chance").fillna(0.0)
+    d["near_chance"] = numeric(d, "acc_base") < d["chance"] + NEAR_CHANCE_MARGIN
+    d["near_chance_text"] = d["near_chance"].map({True: "yes", False: ""})
+    d["smallest_significant_diff"] = smallest_significant_flips() / numeric(d, "n")
+    d = d.assign(compressor=series_label(d, exclude=()))
+    pooled = []
+    for _, g in d.groupby("run_id", sort=False):
+        clear = g[~g["near_chance"]]
+        pooled.append(g.iloc[[0]].assign(task="pooled (clear of chance)", **_pool(clear)))
+    out = pd.concat([d, *pooled], ignore_index=True)
+    order = {r: i for i, r in enumerate(d["run_id"].drop_duplicates())}
+    out = out.sort_values("run_id", key=lambda r: r.map(order), kind="stable").reset_index(drop=True)
+    out["diff_ci_text"] = [f"[{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else "" for lo, hi in
+                           zip(numeric(out, "ci95_low"), numeric(out, "ci95_high"))]
+    return out
+
+
+def _pool(g: pd.DataFrame) -> dict:
+    """Pooled paired statistics of tasks from their per-task ones: accuracies weighted by examples, the interval
+    from the per-task variances of the differences (tasks are independent sets of examples)."""
+    from kvbench.evaluation.stats import smallest_significant_flips
+
+    n = numeric(g, "n")
+    total = float(n.sum())
+    if total == 0:
+        return {"n": 0}
+    w = n / total
+    diff = float((w * numeric(g, "diff")).sum())
+    se = math.sqrt(float((w**2 * numeric(g, "stderr_diff").fillna(0.0) ** 2).sum()))
+    return {"n": int(total), "acc_base": float((w * numeric(g, "acc_base")).sum()),
+            "acc_comp": float((w * numeric(g, "acc_comp")).sum()), "diff": diff, "ci95_low": max(diff - 1.96 * se, -1.0),
+            "ci95_high": min(diff + 1.96 * se, 1.0), "mcnemar_p": math.nan,
+            "smallest_significant_diff": smallest_significant_flips() / total, "length": math.nan, "family": "pooled"}
+
+
+def ruler_study(got: Collection) -> tuple[list[Table], Figures]:
+    from kvbench.evaluation.runner import NEAR_CHANCE_MARGIN
+
+    d = ruler_rows(got.evals)
+    if d.empty:
+        return [], {"ruler": (None, "no RULER eval run (python -m kvbench eval tasks=[ruler])")}
+    tasks = d[d["family"] != "pooled"]
+    base = tasks.drop_duplicates(["model", "task"]) if "model" in tasks else tasks.drop_duplicates("task")
+    tables = [Table("ruler", base, RULER_BASE_COLUMNS, "16-bit baseline per task", RULER_BASE_NOTE.format(margin=NEAR_CHANCE_MARGIN)),
+              Table("ruler", d, RULER_COLUMNS, "accuracy with the compressed cache, per task and pooled", RULER_NOTE, csv=True)]
+    figures = {f"ruler_{model}": study_figures.accuracy_vs_bits(g) for model, g in _by_model(tasks)}
+    return tables, figures
 
 
 def _presets(kind: str, *names: str) -> tuple[Preset, ...]:
@@ -448,6 +538,7 @@ SECTIONS = {s.name: s for s in (
                                        "prefix_sharing_compose_kivi", "prefix_sharing_compose_pipeline"),
             prefix_sharing),
     Section("accuracy", _presets("eval", *MATCHED_BITS), accuracy_study),
+    Section("ruler", _presets("eval", "ruler", "ruler_turboquant", "ruler_delta", "ruler_eviction"), ruler_study),
     Section("end_to_end", _presets("latency", *MATCHED_BITS, "latency_lossless", "latency_model"), end_to_end),
     Section("frontier", _presets("run", *FRONTIER), frontier),
     # the per-vector quantizers of the frontier presets are the eviction study's reference at similar stored bits

@@ -110,6 +110,11 @@ CATALOGUE = {c.key: c for c in (
     _col("diff_ci_text", "diff 95% CI", "s", r"diff 95\% CI"),
     _col("mcnemar_p", "McNemar p", ".3g", "McNemar $p$"),
     _col("identical_responses", "same responses", "d"),
+    _col("family", "task family"),
+    _col("length", "tokens", "d"),
+    _col("chance", "chance", ".2f"),
+    _col("near_chance_text", "near chance"),
+    _col("smallest_significant_diff", "smallest significant change", ".2f"),
     # end-to-end latency (latency.json, one row per context and cache)
     _col("context", "context", "d"),
     _col("cache", "cache"),

@@ -235,3 +235,32 @@ def nll_vs_stream_bits(df: pd.DataFrame, title: str, reference: set[str] = froze
         ax.set_title(f"{title}: {_title(d)}" if _title(d) else title)
     pl.legend(fig, [ax])
     return fig, ""
+
+
+def accuracy_vs_bits(d: pd.DataFrame):
+    """RULER accuracy against bits per element held, one panel per task family (lengths pooled by examples), each
+    compressor a point with its paired 95% interval; the 16-bit baseline as a dashed line."""
+    d = pl.finite(d, "acc_comp", "bits_per_element")
+    if d.empty:
+        return None, "no RULER eval rows with bits per element"
+    families = sorted(d["family"].astype(str).unique())
+    styles = series_styles(d["compressor"])
+    with rc_context(STYLE):
+        fig, axes = pl.grid(len(families), ncols_max=4, w=3.0)
+        for ax, fam in zip(axes, families):
+            g = d[d["family"] == fam]
+            for name, s in g.groupby("compressor", sort=False):
+                w = s["n"].astype(float) / s["n"].astype(float).sum()
+                acc, diff = float((w * s["acc_comp"]).sum()), float((w * s["diff"]).sum())
+                se = float(np.sqrt((w**2 * s["stderr_diff"].fillna(0.0) ** 2).sum()))
+                ax.errorbar(float(s["bits_per_element"].mean()), acc, yerr=1.96 * se, fmt="o", capsize=2,
+                            label=name, color=styles[name]["color"])
+                ax.axhline(acc - diff, color="grey", linestyle="--", linewidth=0.6)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_title(fam.removeprefix("ruler_"), fontsize=8)
+            ax.set_xlabel("bits / element held")
+            ax.set_ylabel("accuracy (95% CI of the change)")
+        pl.legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+        fig.suptitle(f"RULER accuracy vs bits, {_title(d)} (dashed: 16-bit)")
+    return fig, ""

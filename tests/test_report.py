@@ -226,7 +226,8 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
         task = {"n": 30, "acc_base": 0.5, "stderr_base": 0.09, "acc_comp": 0.5 - 0.01 * i, "stderr_comp": 0.09,
                 "diff": -0.01 * i, "stderr_diff": 0.02, "ci95_low": -0.01 * i - 0.04, "ci95_high": -0.01 * i + 0.04,
                 "mcnemar_p": 0.5, "identical_responses": 20}
-        return {**s, "bits_per_element": bits, "tasks": {"implicatures": task, "passkey_1k": task}, "overall": task}, []
+        names = ("ruler_vt_1k", "ruler_cwe_1k") if "ruler" in cell.cfg.tasks else ("implicatures", "passkey_1k")
+        return {**s, "bits_per_element": bits, "tasks": dict.fromkeys(names, task), "overall": task}, []
     if cell.kind == "latency":
         rows = [{"context": t, "cache": cache, "prefill_s": 1.0, "compress_s": 0.1 * (cache == "compressed"),
                  "decode_median_ms": 80.0, "decode_p95_ms": 90.0, "tokens_per_s": 12.0 / (1 + (cache == "compressed")),
@@ -292,7 +293,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert not res["without_runs"] and not res["empty"], res["empty"]
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
                "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
-               "eviction_smollm2_135m"}
+               "eviction_smollm2_135m", "ruler_smollm2_135m"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
@@ -315,6 +316,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| smollm2_135m | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
     assert "| turboquant (range-coded) | 2 | none |" in md["frontier"]
     assert md["eviction"].count("## ") == 2
+    assert md["ruler"].count("## ") == 2 and md["ruler"].count("pooled (clear of chance)") == 7  # one per cell
+    assert "| smollm2_135m | ruler_vt | 1024 | 30 | 0.500 |" in md["ruler"]
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]
     for name in studies:

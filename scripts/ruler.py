@@ -1,0 +1,16 @@
+"""RULER-style long-context accuracy with compressed caches (SmolLM2-135M, 1,024-token prompts, 5 examples per task).
+
+    .venv/bin/python scripts/ruler.py [--no-run] [--force] [OVERRIDE ...]
+
+Runs the eval cells of configs/experiment/ruler*.yaml that have no finished run (in one process on one loaded model;
+nothing in it is timed for publication), then writes the report section ruler (results/report/ruler.{md,tex,csv},
+results/report/figures/ruler_<model>.{png,pdf}) and its tables into results/accuracy.md between its markers.
+For the second model: ``model=gemma3_270m``.
+"""
+
+import sys
+
+from kvbench.studies import main
+
+if __name__ == "__main__":
+    sys.exit(main("ruler", __doc__.split("\n\n")[0], findings="accuracy.md"))

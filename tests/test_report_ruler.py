@@ -1,0 +1,40 @@
+"""The RULER report section: baseline per task, near-chance tasks flagged and left out of the pooled row."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from kvbench.report_data import Collection
+from kvbench.report_sections import ruler_rows, ruler_study
+
+
+def _evals() -> pd.DataFrame:
+    rows = []
+    for run, comp, bits, diffs in (("r1", "identity", 16.2, (0.0, 0.0, 0.0)), ("r2", "kivi", 2.9, (-0.2, -0.1, 0.0))):
+        for (task, base), diff in zip((("ruler_vt_1k", 0.8), ("ruler_cwe_1k", 0.0), ("ruler_vt_2k", 0.6)), diffs):
+            rows.append({"run_id": run, "model": "m", "compressor": comp, "compressor_params.name": comp,
+                         "bits_per_element": bits, "task": task, "n": 10, "acc_base": base, "acc_comp": base + diff,
+                         "diff": diff, "stderr_diff": 0.1 if diff else 0.0, "ci95_low": diff - 0.196,
+                         "ci95_high": diff + 0.196, "mcnemar_p": 1.0})
+    rows.append({**rows[0], "task": "passkey_1k"})  # not a RULER task
+    return pd.DataFrame(rows)
+
+
+def test_near_chance_tasks_are_flagged_and_left_out_of_the_pooled_row():
+    d = ruler_rows(_evals())
+    assert set(d["task"]) == {"ruler_vt_1k", "ruler_cwe_1k", "ruler_vt_2k", "pooled (clear of chance)"}
+    cwe = d[d["task"] == "ruler_cwe_1k"]
+    assert cwe["near_chance"].all() and (cwe["family"] == "ruler_cwe").all() and (cwe["length"] == 1024).all()
+    pooled = d[(d["task"] == "pooled (clear of chance)") & (d["run_id"] == "r2")].iloc[0]
+    assert pooled["n"] == 20 and pooled["diff"] == pytest.approx(-0.1)  # the two vt tasks (-0.2, 0.0), not cwe (-0.1)
+    assert pooled["ci95_high"] - pooled["diff"] == pytest.approx(1.96 * math.sqrt(0.5**2 * 0.1**2))
+    assert pooled["smallest_significant_diff"] == pytest.approx(6 / 20)
+
+
+def test_the_section_writes_the_baseline_table_and_a_figure_per_model():
+    tables, figures = ruler_study(Collection(pd.DataFrame(), [], _evals(), pd.DataFrame(), pd.DataFrame()))
+    base = tables[0].frame
+    assert sorted(base["task"]) == ["ruler_cwe_1k", "ruler_vt_1k", "ruler_vt_2k"]  # one row per model and task
+    fig, why = figures["ruler_m"]
+    assert fig is not None and why == ""

@@ -92,8 +92,8 @@ class CompressedLayer(CacheLayerMixin):
             raise AttributeError("CompressedLayer.values is read-only; write through Cache.update")
 
     def _full(self, which: int) -> torch.Tensor:
-        parts = self._owner()._layer_parts(self._index, self.compute_dtype)[which] if self.prefix_len else []
-        return torch.cat([*parts, (self.window_k, self.window_v)[which].to(self.compute_dtype)], dim=-2)
+        parts = self._owner()._layer_parts(self._index)[which] if self.prefix_len else []
+        return _assemble([*parts, (self.window_k, self.window_v)[which]], self.compute_dtype)
 
     def bind(self, owner: CompressedCache, index: int) -> None:
         self._owner, self._index = weakref.ref(owner), index
@@ -115,11 +115,11 @@ class CompressedLayer(CacheLayerMixin):
         """
         pk, pv = prefix if prefix is not None else ([], [])
         dt = key_states.dtype
-        ks = [*pk, self.window_k.to(dt), key_states]
-        vs = [*pv, self.window_v.to(dt), value_states]
+        ks = _assemble([*pk, self.window_k, key_states], dt)
+        vs = _assemble([*pv, self.window_v, value_states], dt)
         self.window_k = torch.cat([self.window_k, key_states.to(self.window_k.dtype)], dim=-2)
         self.window_v = torch.cat([self.window_v, value_states.to(self.window_v.dtype)], dim=-2)
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        return ks, vs
 
     def window_len(self) -> int:
         return 0 if self.window_k is None else self.window_k.shape[-2]
@@ -232,7 +232,7 @@ class CompressedCache(Cache):
                 dev = str(key_states.device)
                 self._encode, self._decode = Stopwatch(dev), Stopwatch(dev)
             layer.lazy_initialization(key_states, value_states, self.dtype)
-        prefix = self._layer_parts(layer_idx, key_states.dtype) if self.segments else None
+        prefix = self._layer_parts(layer_idx) if self.segments else None
         out = layer.update(key_states, value_states, prefix=prefix)
         if layer_idx == len(self.layers) - 1:
             self._end_step(key_states.shape[-2])
@@ -370,8 +370,8 @@ class CompressedCache(Cache):
             raise RuntimeError(f"{self.compressor.name} decoded {tuple(kv.shape)}; expected {ctx.shape}")
         return kv
 
-    def _layer_parts(self, layer_idx: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every segment's keys and values of one layer, ``(1, H, Ts, D)`` each in ``dtype``, in token order."""
+    def _layer_parts(self, layer_idx: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every segment's keys and values of one layer, ``(1, H, Ts, D)`` each as decoded, in token order."""
         ks, vs = [], []
         dev = self.layers[layer_idx].device
         with self._decode():
@@ -380,8 +380,8 @@ class CompressedCache(Cache):
                 if k.shape[-2] != seg.length or v.shape[-2] != seg.length:
                     raise RuntimeError(f"{self.compressor.name} decoded {k.shape[-2]} tokens of layer {layer_idx}; "
                                        f"the segment holds {seg.length}")
-                ks.append(k.unsqueeze(0).to(device=dev, dtype=dtype))
-                vs.append(v.unsqueeze(0).to(device=dev, dtype=dtype))
+                ks.append(k.unsqueeze(0).to(device=dev))
+                vs.append(v.unsqueeze(0).to(device=dev))
         self._read = True
         return ks, vs
 
@@ -419,6 +419,20 @@ class CompressedCache(Cache):
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         weakref.finalize(self, handle.remove)
         self._hooked = True
+
+
+def _assemble(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``parts`` (``(1, H, T_i, D)`` each, any float dtype) concatenated along the tokens into one ``dtype`` tensor:
+    each part is converted while it is copied in, so a 16-bit prefix read by a float32 model costs one pass over
+    it (a conversion and then a concatenation would cost two)."""
+    first = parts[0]
+    out = torch.empty((*first.shape[:-2], sum(p.shape[-2] for p in parts), first.shape[-1]), dtype=dtype,
+                      device=parts[-1].device)
+    at = 0
+    for p in parts:
+        out[..., at : at + p.shape[-2], :].copy_(p)
+        at += p.shape[-2]
+    return out
 
 
 def _model_parts(model: Any) -> tuple[torch.nn.Module | None, Any]:

@@ -12,11 +12,11 @@
 #   RESULTS=/tmp/r QUICK=1 scripts/reproduce.sh   # somewhere else than results/ (a smoke test of this script)
 #
 # The sweeps' runs go to $RESULTS/sweeps/reproduce/runs (git-ignored), emptied at the start; the per-part studies
-# (FINDINGS=1: scripts/per_vector.py, sequential.py, prefix_sharing.py, accuracy.py, latency.py, each running the
-# presets configs/experiment/<part>*.yaml) keep their own runs under $RESULTS/runs ($RESULTS/sweeps/sequential for
-# sequential) and reuse finished cells; their tables and figures are sections of $RESULTS/report beside the
-# overview. Every timed cell runs under the machine's benchmark lock, so its encode/decode times are not shared with
-# other jobs that take the lock.
+# (FINDINGS=1: scripts/per_vector.py, sequential.py, prefix_sharing.py, accuracy.py, latency.py, frontier.py,
+# eviction.py, each running the presets configs/experiment/<part>*.yaml) keep their own runs under $RESULTS/runs
+# ($RESULTS/sweeps/sequential for sequential) and reuse finished cells; their tables and figures are sections of
+# $RESULTS/report beside the overview. Every timed cell runs under the machine's benchmark lock, so its
+# encode/decode times are not shared with other jobs that take the lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,7 +103,7 @@ fi
 # 1. Optional: the per-part studies (results/<part>.md, sections of results/report/). They need the packaged models
 #    and run for an hour or more each (recompute and the model predictor decode token by token at 4 x 1024 tokens).
 if [[ "${FINDINGS:-0}" == 1 ]]; then
-    for script in per_vector sequential prefix_sharing accuracy latency; do
+    for script in per_vector sequential prefix_sharing accuracy latency frontier eviction; do
         if [[ ! -f scripts/$script.py ]]; then
             log "error: scripts/$script.py is missing; its findings cannot be regenerated"
             exit 1
@@ -117,6 +117,8 @@ if [[ "${FINDINGS:-0}" == 1 ]]; then
     step "prefix sharing (SmolLM2)" study prefix_sharing
     step "accuracy (SmolLM2)" study accuracy
     step "latency (SmolLM2)" study latency
+    step "frontier (SmolLM2, gemma)" study frontier
+    step "eviction (SmolLM2, gemma)" study eviction
 fi
 
 # 2. Sweeps behind the report's figures, per model (presets in configs/experiment/).

@@ -37,7 +37,8 @@ def uniform_quantize(x: torch.Tensor, dim: int, bits: int, store: torch.dtype):
 
 
 def uniform_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale.float() + zero.float()
+    """``codes * scale + zero`` in float32 (one fused pass; the cache's per-layer read uses this same function)."""
+    return torch.addcmul(zero.float(), codes.float(), scale.float())
 
 
 @dataclass

@@ -538,7 +538,7 @@ SECTIONS = {s.name: s for s in (
                                        "prefix_sharing_compose_kivi", "prefix_sharing_compose_pipeline"),
             prefix_sharing),
     Section("accuracy", _presets("eval", *MATCHED_BITS), accuracy_study),
-    Section("ruler", _presets("eval", "ruler", "ruler_turboquant", "ruler_delta", "ruler_eviction"), ruler_study),
+    Section("ruler", _presets("eval", "ruler", "ruler_kivi", "ruler_turboquant", "ruler_delta", "ruler_eviction"), ruler_study),
     Section("end_to_end", _presets("latency", *MATCHED_BITS, "latency_lossless", "latency_model"), end_to_end),
     Section("frontier", _presets("run", *FRONTIER), frontier),
     # the per-vector quantizers of the frontier presets are the eviction study's reference at similar stored bits

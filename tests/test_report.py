@@ -316,7 +316,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| smollm2_135m | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
     assert "| turboquant (range-coded) | 2 | none |" in md["frontier"]
     assert md["eviction"].count("## ") == 2
-    assert md["ruler"].count("## ") == 2 and md["ruler"].count("pooled (clear of chance)") == 7  # one per cell
+    assert md["ruler"].count("## ") == 2 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
     assert "| smollm2_135m | ruler_vt | 1024 | 30 | 0.500 |" in md["ruler"]
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]

@@ -41,10 +41,13 @@ from kvbench.coding.bitstream import Bitstream
 from kvbench.compressor import Compressor
 from kvbench.eviction_mask import install as install_mask
 from kvbench.kv import SIXTEEN_BIT, Context, KVSequence
-from kvbench.resident import Resident, Whole
+from kvbench.resident import Resident, Whole, restored
 from kvbench.timing import Stopwatch
 
 MODES = ("auto", "chunked", "once")
+#: what the cache holds of a stored segment: what its decoder parses from the bytes (a resident cache's cost), or
+#: the decoded KV (the same values, decoded once: for measuring accuracy, where only the values matter)
+HOLDS = ("bytes", "decoded")
 
 
 @dataclass(frozen=True)
@@ -175,11 +178,16 @@ class CompressedCache(Cache):
             ``needs_model`` decoders as ``ctx.model``, and lets the cache record the token ids it is fed.
         config: the model config, when no model is given.
         dtype: storage dtype; default the model's dtype when it is 16-bit, else float16.
+        hold: ``bytes`` (what the decoder parses from the stored bytes, decoded when attention reads it: what a
+            resident cache costs) or ``decoded`` (each segment decoded once when stored, from its bytes alone, and
+            its KV held: the same values for accuracy measurements without a decode per generated token).
     """
 
     def __init__(self, compressor: Compressor | None, *, residual: int | None = None, chunk: int = 128, mode: str = "auto",
-                 model: Any = None, config: Any = None, dtype: torch.dtype | None = None) -> None:
+                 model: Any = None, config: Any = None, dtype: torch.dtype | None = None, hold: str = "bytes") -> None:
         check_choice("cache", "mode", mode, MODES)
+        check_choice("cache", "hold", hold, HOLDS)
+        self.hold = hold
         check_range("cache", "chunk", chunk, 1, 1 << 30, integer=True)
         if dtype is not None and dtype not in SIXTEEN_BIT:
             raise ValueError(f"cache dtype={dtype} is not allowed; the cache stores 16-bit KV: {list(SIXTEEN_BIT)}")
@@ -360,6 +368,9 @@ class CompressedCache(Cache):
     def _store(self, start: int, n: int, data: bytes) -> Segment:
         """Parse a segment's bytes once, on the decoder alone (checksum and frame checked here)."""
         ctx = self._context(start, n)
+        if self.hold == "decoded":
+            with self._decode():
+                return Segment(start, n, len(data), restored(self._decode_whole(data, ctx)))
         with self._decode():
             resident = self.decoder.resident(Bitstream.from_bytes(data), ctx)
         return Segment(start, n, len(data), resident if resident is not None else Whole(data, lambda raw: self._decode_whole(raw, ctx)))

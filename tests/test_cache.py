@@ -336,3 +336,23 @@ def test_kivi_segment_shorter_than_a_key_group_is_all_tail(tiny_model):
     got = _decode_logits(tiny_model, cache, ids, 2)
     assert cache.segments[0].length == 5 and torch.isfinite(got[-1]).all()
     assert torch.equal(base[0], got[0])
+
+
+def test_holding_decoded_segments_gives_the_same_logits_with_one_decode_per_segment(tiny_model, monkeypatch):
+    from compressors.turboquant import TurboQuant
+
+    calls = []
+    original = TurboQuant.decode
+    monkeypatch.setattr(TurboQuant, "decode", lambda self, bs, ctx: calls.append(ctx.n_tokens) or original(self, bs, ctx))
+    ids = _ids(40, seed=15)
+    comp = TurboQuant(bits=3)
+    by_bytes = _decode_logits(tiny_model, CompressedCache(comp, residual=0, chunk=8, model=tiny_model), ids, 10)
+    per_step = len(calls)
+    calls.clear()
+    cache = CompressedCache(comp, residual=0, chunk=8, model=tiny_model, hold="decoded")
+    decoded = _decode_logits(tiny_model, cache, ids, 10)
+    for a, b in zip(by_bytes, decoded):
+        assert torch.equal(a, b)
+    assert len(calls) == len(cache.segments) < per_step  # once per stored segment, not once per step
+    with pytest.raises(ValueError, match="hold"):
+        CompressedCache(comp, model=tiny_model, hold="tensors")

@@ -102,7 +102,8 @@ class CompressedKVLM(LM):
         return ctx, cont
 
     def _cache(self, compressor: Compressor | None) -> CompressedCache:
-        return CompressedCache(compressor, model=self.handle, **self.cache_kw)
+        # accuracy depends on the decoded values only: each segment is decoded once from its bytes, not per token
+        return CompressedCache(compressor, model=self.handle, hold="decoded", **self.cache_kw)
 
     @torch.no_grad()
     def _prefill(self, ids: list[int]) -> DynamicCache:

@@ -189,7 +189,12 @@ def test_experiment_presets_compose_and_their_first_cell_builds(name):
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "experiment" / f"{name}.yaml"))
     params = raw.get("hydra", {}).get("sweeper", {}).get("params", {})
     assert raw and (params or set(raw) - {"hydra", "defaults"}), f"experiment {name} changes nothing"
-    first = [f"{k}={str(v).split(',')[0].strip()}" for k, v in params.items()]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    # the first value of each axis as Hydra reads the sweep (a value may be a dict with commas inside)
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    first = [f"{k}={next(iter(o.sweep_string_iterator())) if o.is_sweep_override() else o.value()}"
+             for k, o in zip(params, parsed)]
     cfg = compose([f"+experiment={name}", *first])
     base = compose([])
     changed = {k for k in OmegaConf.to_container(cfg) if OmegaConf.select(cfg, k) != OmegaConf.select(base, k)}

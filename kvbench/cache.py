@@ -368,12 +368,14 @@ class CompressedCache(Cache):
     def _store(self, start: int, n: int, data: bytes) -> Segment:
         """Parse a segment's bytes once, on the decoder alone (checksum and frame checked here)."""
         ctx = self._context(start, n)
-        if self.hold == "decoded":
-            with self._decode():
-                return Segment(start, n, len(data), restored(self._decode_whole(data, ctx)))
         with self._decode():
-            resident = self.decoder.resident(Bitstream.from_bytes(data), ctx)
-        return Segment(start, n, len(data), resident if resident is not None else Whole(data, lambda raw: self._decode_whole(raw, ctx)))
+            if self.hold == "decoded":
+                resident = restored(self._decode_whole(data, ctx))
+            else:
+                resident = self.decoder.resident(Bitstream.from_bytes(data), ctx)
+        if resident is None:
+            resident = Whole(data, lambda raw: self._decode_whole(raw, ctx))
+        return Segment(start, n, len(data), resident)
 
     def _decode_whole(self, data: bytes, ctx: Context) -> KVSequence:
         kv = self.decoder.decode(Bitstream.from_bytes(data), ctx)

@@ -7,7 +7,8 @@ pre-hook on the model instance (nothing global changes) that replaces its ``atte
 tokens see each other causally, and any mask the model built itself (sliding windows) still applies. Two sources of
 kept masks: :func:`hide_evicted` (a fixed mask for the duration of a block: scoring on a decoded sequence) and
 :func:`install` (permanent, idle unless the forward pass's cache has a ``kept_mask(layer_idx)`` that returns one:
-a :class:`~kvbench.cache.CompressedCache` holding evicted segments, in the decode loop and the task evaluations). Positions are untouched: evicted entries keep their slots, so every
+a :class:`~kvbench.cache.CompressedCache` holding evicted segments, in the decode loop and the task evaluations).
+Positions are untouched: evicted entries keep their slots, so every
 kept key sits at its original position (scoring with renumbered positions raises SmolLM2's NLL from 3.4 to 5.1).
 """
 

@@ -204,6 +204,25 @@ def with_pooled(ev: pd.DataFrame, pooled: str = "all") -> pd.DataFrame:
     return rows
 
 
+def pool_tasks(g: pd.DataFrame) -> dict:
+    """Pooled paired statistics of eval rows (tasks) from their per-task ones: accuracies and the difference
+    weighted by examples, its standard error and 95% interval from the per-task variances of the differences (tasks
+    are independent sets of examples)."""
+    from kvbench.evaluation.stats import smallest_significant_flips
+
+    n = numeric(g, "n")
+    total = float(n.sum())
+    if total == 0:
+        return {"n": 0}
+    w = n / total
+    diff = float((w * numeric(g, "diff")).sum())
+    se = math.sqrt(float((w**2 * numeric(g, "stderr_diff").fillna(0.0) ** 2).sum()))
+    return {"n": int(total), "acc_base": float((w * numeric(g, "acc_base")).sum()),
+            "acc_comp": float((w * numeric(g, "acc_comp")).sum()), "diff": diff, "stderr_diff": se,
+            "ci95_low": max(diff - 1.96 * se, -1.0), "ci95_high": min(diff + 1.96 * se, 1.0), "mcnemar_p": math.nan,
+            "smallest_significant_diff": smallest_significant_flips() / total}
+
+
 def _quality(df: pd.DataFrame) -> None:
     """The delta-NLL interval as numbers and as text, its verdict against 1% of the base NLL (summaries without an
     interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows

@@ -18,7 +18,16 @@ import pandas as pd
 from kvbench import study_figures
 from kvbench.experiments import Preset, cells
 from kvbench.figures import FIGURES, accuracy
-from kvbench.report_data import Collection, best_at_tolerance, numeric, plain, series_label, with_pooled
+from kvbench.report_data import (
+    Collection,
+    best_at_tolerance,
+    interval_text,
+    numeric,
+    plain,
+    pool_tasks,
+    series_label,
+    with_pooled,
+)
 from kvbench.report_tables import BEST_COLUMNS, COLUMNS, EVAL_COLUMNS, LATENCY_COLUMNS, RESTORE_COLUMNS, Column, pick
 
 
@@ -480,31 +489,12 @@ def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:
     pooled = []
     for _, g in d.groupby("run_id", sort=False):
         clear = g[~g["near_chance"]]
-        pooled.append(g.iloc[[0]].assign(task="pooled (clear of chance)", **_pool(clear)))
+        pooled.append(g.iloc[[0]].assign(task="pooled (clear of chance)", **pool_tasks(clear), length=math.nan, family="pooled"))
     out = pd.concat([d, *pooled], ignore_index=True)
     order = {r: i for i, r in enumerate(d["run_id"].drop_duplicates())}
     out = out.sort_values("run_id", key=lambda r: r.map(order), kind="stable").reset_index(drop=True)
-    out["diff_ci_text"] = [f"[{lo:+.3f}, {hi:+.3f}]" if math.isfinite(lo) else "" for lo, hi in
-                           zip(numeric(out, "ci95_low"), numeric(out, "ci95_high"))]
+    out["diff_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in zip(numeric(out, "ci95_low"), numeric(out, "ci95_high"))]
     return out
-
-
-def _pool(g: pd.DataFrame) -> dict:
-    """Pooled paired statistics of tasks from their per-task ones: accuracies weighted by examples, the interval
-    from the per-task variances of the differences (tasks are independent sets of examples)."""
-    from kvbench.evaluation.stats import smallest_significant_flips
-
-    n = numeric(g, "n")
-    total = float(n.sum())
-    if total == 0:
-        return {"n": 0}
-    w = n / total
-    diff = float((w * numeric(g, "diff")).sum())
-    se = math.sqrt(float((w**2 * numeric(g, "stderr_diff").fillna(0.0) ** 2).sum()))
-    return {"n": int(total), "acc_base": float((w * numeric(g, "acc_base")).sum()),
-            "acc_comp": float((w * numeric(g, "acc_comp")).sum()), "diff": diff, "ci95_low": max(diff - 1.96 * se, -1.0),
-            "ci95_high": min(diff + 1.96 * se, 1.0), "mcnemar_p": math.nan,
-            "smallest_significant_diff": smallest_significant_flips() / total, "length": math.nan, "family": "pooled"}
 
 
 def ruler_study(got: Collection) -> tuple[list[Table], Figures]:

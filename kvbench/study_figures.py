@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from kvbench import plotting as pl
 from kvbench.figures import context_markers, memory_panel, memory_rows
 from kvbench.plotting import BOUND_STYLE, STYLE, series_styles
+from kvbench.report_data import pool_tasks
 
 # Published production prefix-cache hit rates (token level), as reference points for the share-rate axis
 PRODUCTION_HIT_RATES = (
@@ -250,12 +251,10 @@ def accuracy_vs_bits(d: pd.DataFrame):
         for ax, fam in zip(axes, families):
             g = d[d["family"] == fam]
             for name, s in g.groupby("compressor", sort=False):
-                w = s["n"].astype(float) / s["n"].astype(float).sum()
-                acc, diff = float((w * s["acc_comp"]).sum()), float((w * s["diff"]).sum())
-                se = float(np.sqrt((w**2 * s["stderr_diff"].fillna(0.0) ** 2).sum()))
-                ax.errorbar(float(s["bits_per_element"].mean()), acc, yerr=1.96 * se, fmt="o", capsize=2,
-                            label=name, color=styles[name]["color"])
-                ax.axhline(acc - diff, color="grey", linestyle="--", linewidth=0.6)
+                p = pool_tasks(s)  # the family's lengths pooled by examples
+                ax.errorbar(float(s["bits_per_element"].mean()), p["acc_comp"], yerr=1.96 * p["stderr_diff"], fmt="o",
+                            capsize=2, label=name, color=styles[name]["color"])
+                ax.axhline(p["acc_base"], color="grey", linestyle="--", linewidth=0.6)
             ax.set_xscale("log", base=2)
             ax.set_ylim(-0.05, 1.05)
             ax.set_title(fam.removeprefix("ruler_"), fontsize=8)

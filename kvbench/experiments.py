@@ -75,6 +75,26 @@ def _composed(kind: str, overrides: tuple[str, ...]) -> Any:
     return compose_cell(kind, list(overrides))  # a Hydra compose takes ~0.2 s: a report and its tests ask again
 
 
+def fitting(kind: str, overrides: Sequence[str]) -> list[str]:
+    """``overrides`` less those whose key only other commands have: a report given the overrides of every study of a
+    run (``limit=1`` for the eval cells, ``dataset.seq_len=512`` for all) applies to each preset those of its own
+    command. A key no command has (``compressor.variant``) stays, so the presets it does not fit show nothing."""
+    bases = {k: _composed(k, ()) for k in COMMANDS}
+
+    def has(cfg: Any, key: str) -> bool:
+        return OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING
+
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key.startswith(("+", "~")) or has(bases[kind], key) or not any(has(b, key) for b in bases.values()):
+            out.append(o)
+    return out
+
+
+_MISSING = object()
+
+
 def cells(presets: Iterable[Preset], overrides: Sequence[str] = (), root: Path | None = None,
           unfit: Callable[[Preset, Exception], None] | None = None) -> list[Cell]:
     """Every cell of ``presets``, composed, in order; ``root`` (made absolute, so the working directory does not

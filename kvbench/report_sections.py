@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from kvbench import study_figures
-from kvbench.experiments import Preset, cells
+from kvbench.experiments import Preset, cells, fitting
 from kvbench.figures import FIGURES, accuracy
 from kvbench.report_data import (
     Collection,
@@ -57,7 +57,7 @@ def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] 
     presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing."""
     where: dict[tuple[str, str], tuple[int, str]] = {}
     for preset in presets:  # a preset the overrides do not apply to has no cells here
-        for cell in cells([preset], overrides, unfit=lambda *_: None):
+        for cell in cells([preset], fitting(preset.kind, overrides), unfit=lambda *_: None):
             where.setdefault((cell.kind, cell.key), (len(where), preset.name))
 
     def pick_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:

@@ -2,12 +2,16 @@
 have no finished run, then write the section into the report (``<results>/report``: tables, and figures in its
 ``figures/``) and, for a study whose findings file keeps its table between markers, the table there.
 
-    python scripts/NAME.py [--no-run] [--force] [--cells] [OVERRIDE ...]
+    python scripts/NAME.py [--no-run] [--force] [--cells] [--only "OVERRIDE ..."]... [OVERRIDE ...]
 
 OVERRIDEs (Hydra syntax) apply to every cell and replace a preset's axis of the same key, e.g.
 ``compressor.bits=3 dataset.seq_len=256``; a preset they do not apply to is left out (``compressor.variant=mse``
 leaves out KIVI's); the report then shows the cells as run with them. ``paths.results=DIR`` (or KVBENCH_RESULTS)
 puts the runs, the report and the findings file under DIR instead of results/.
+
+``--only`` keeps the cells that carry every override it names (a bare name is a preset's name), so a subset of a
+study measures the very cells of the whole study (same cell keys) and its report shows them alone, e.g.
+``--only "frontier_kivi model=gemma3_270m compressor.bits=2"``; given more than once, a cell matching any is kept.
 """
 
 from __future__ import annotations
@@ -15,13 +19,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbench.experiments import cells, run_in_process, run_isolated
+from kvbench.experiments import Cell, cells, run_in_process, run_isolated
 from kvbench.paths import results_root
 from kvbench.report import put_block, write_report
 from kvbench.report_sections import section
 
 #: what a findings file's generated block says of itself
 WHY = "report section {name}: regenerated from its runs by its driver in scripts/; edits here are overwritten"
+
+
+def matching(todo: list[Cell], patterns: list[str]) -> list[Cell]:
+    """The cells that carry every override of one of ``patterns`` (whitespace-separated; a token without ``=`` is a
+    preset name); a pattern that matches no cell is an error naming the cells there are."""
+    if not patterns:
+        return todo
+    def wanted(tokens: list[str]) -> list[Cell]:
+        return [c for c in todo if all(t in c.overrides if "=" in t else f"+experiment={t}" in c.overrides
+                                       for t in tokens)]
+    for p in patterns:
+        if not wanted(p.split()):
+            listing = "\n  ".join(" ".join(c.overrides) for c in todo)
+            raise SystemExit(f"--only {p!r} matches no cell; the cells are:\n  {listing}")
+    keep = {id(c) for p in patterns for c in wanted(p.split())}
+    return [c for c in todo if id(c) in keep]
 
 
 def main(name: str, description: str, argv: list[str] | None = None, runs: str = "", lock: bool = False,
@@ -35,8 +55,10 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     ap.add_argument("--no-run", action="store_true", help="only write the report from the runs already there")
     ap.add_argument("--force", action="store_true", help="measure cells again that already have a finished run")
     ap.add_argument("--cells", action="store_true", help="print each cell's command and stop")
+    ap.add_argument("--only", action="append", default=[], metavar="OVERRIDES",
+                    help="keep the cells that carry every one of these overrides (a bare name: the preset)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every cell")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may stand on either side of the --only options
     # paths.results= moves everything, as KVBENCH_RESULTS does: the runs, the report and the findings file
     given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("paths.results=")]
     overrides = [o for o in args.overrides if not o.startswith("paths.results=")]
@@ -47,6 +69,7 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     if not todo:
         print(f"no cell of {name} takes {' '.join(overrides)}", file=sys.stderr)
         return 2
+    todo = matching(todo, args.only)
     if args.cells:
         print("\n".join(c.command for c in todo))
         return 0

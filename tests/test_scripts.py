@@ -100,6 +100,19 @@ def test_overrides_replace_an_axis_and_leave_out_the_presets_they_do_not_fit():
         cells(SECTIONS["per_vector"].presets, ["compressor.variant=mse"])
 
 
+def test_only_keeps_the_very_cells_of_the_whole_study_and_names_the_cells_when_it_matches_none():
+    from kvbench.studies import matching
+
+    every = cells(SECTIONS["frontier"].presets)
+    got = matching(every, ["frontier_kivi model=gemma3_270m compressor.bits=2",
+                           "frontier_turboquant model=smollm2_135m compressor={bits:3,entropy_coding:True}"])
+    assert [c.key for c in got] == [c.key for c in every if c.command in {g.command for g in got}]  # study order
+    assert len(got) == 2 and {c.cfg.model.name for c in got} == {"gemma3_270m", "smollm2_135m"}
+    assert matching(every, []) == every
+    with pytest.raises(SystemExit, match=r"(?s)matches no cell.*\+experiment=frontier_kvtc"):
+        matching(every, ["frontier_kivi compressor.bits=3"])
+
+
 def test_a_cell_run_by_run_cell_is_the_one_its_section_shows(tmp_path, text_file, tiny_handle, monkeypatch):
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
     tiny = ["model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}", "dataset.seq_len=64",

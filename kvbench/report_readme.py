@@ -1,24 +1,29 @@
-"""``results/README.md`` drafted from the runs: the tables that answer the design's four questions, with the report's
-figures, around hand-written findings that regenerating keeps (one marked block per section).
+"""``results/README.md`` from the runs of ``scripts/reproduce.sh``: the tables that answer the findings' questions, with
+the report's figures, around hand-written findings that regenerating keeps (one marked block per section).
 
-Every number comes from the summaries under the runs dir (``kvbench.report_data``); the figures are the overview's
-(``python -m kvbench report RUNS --out REPORT`` writes them first).
+Every number comes from the summaries under the runs dir (``kvbench.report_data``), through the same report
+sections as the per-part studies (frontier, eviction, RULER); the figures are the report's (``python -m kvbench
+report RUNS --out REPORT --sections overview,frontier,eviction,ruler`` writes them first). ``quoted_not_generated``
+lists the figures a hand-written finding quotes that no generated table shows.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from kvbench.paths import repo_root
-from kvbench.report import block, blocks
-from kvbench.report_data import best_at_tolerance, collect, numeric, series_label, with_pooled
-from kvbench.report_tables import BEST_COLUMNS, format_ratio, pick, to_markdown
+from kvbench.report import block, blocks, markdown
+from kvbench.report_data import Collection, collect, numeric, plain, series_label
+from kvbench.report_sections import Table, section, select
+from kvbench.report_tables import format_ratio, pick, to_markdown
 
 FINDINGS_WHY = "written by hand; kept when this file is regenerated"
 FINDINGS_TODO = "_Findings: to be written from the tables and figures above._"
@@ -26,16 +31,22 @@ FINDINGS_TODO = "_Findings: to be written from the tables and figures above._"
 # x 80 layers per token, against its bound of log2(20) = 4.3 bits/token.
 PAPER_PER_VECTOR_BITS = 3 * 128 * 2 * 64 * 80
 PAPER_BOUND_BITS = 4.3
+PAPER_FACTOR = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
 
-COST_COLUMNS = pick("model", "compressor", "params", "context_len", "bits_per_token", "x_bound", "compression_ratio",
-                    "delta_nll", "lossless", "encode_ms_per_token", "decode_ms_per_token")
-BOUND_COLUMNS = pick("model", "context_len", "n_sequences", "bound_bits_per_token", "compressor", "bits_per_token",
-                     "x_bound", "paper_gap_closed", formats={"bits_per_token": ",.2f"})
-SHARING_COLUMNS = pick("model", "workload", "compressor", "sharing.share_rate", "sharing.dedup_ratio",
-                       "compression_ratio", "bits_per_token")
-MEMORY_COLUMNS = pick("model", "compressor", "context", "bytes_ratio", "speed_ratio", "ms_compressed", "ms_dynamic")
-ACCURACY_COLUMNS = pick("model", "compressor", "bits_per_element", "n", "acc_base", "acc_comp", "diff", "stderr_diff",
-                        "mcnemar_p", formats={"bits_per_element": ".2f"})
+SHARING_COLUMNS = pick("model", "compressor", "sharing.share_rate", "sharing.dedup_ratio", "compression_ratio",
+                       "bits_per_token")
+MEMORY_COLUMNS = pick("model", "context", "cache", "bytes_ratio", "speed_ratio", "ms_compressed", "ms_dynamic",
+                      "tokens_match_dynamic")
+RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bytes_ratio", "encode_s", "decode_s",
+                       "first_token_s", "prefill_s", "crossover_16bit_gbps", "crossover_prefill_gbps",
+                       "first_token_matches_prefill", formats={"crossover_16bit_gbps": ".2f",
+                                                               "crossover_prefill_gbps": ".4f"})
+DISTANCE_COLUMNS = pick("model", "which", "compressor", "windows_text", "bits_per_token", "bound_bits_per_token",
+                        "x_bound_text", "delta_nll_ci_text", "nll_verdict", formats={"bits_per_token": ",.1f"})
+PAPER_ARITHMETIC_COLUMNS = pick("model", "elements_per_token", "bound_bits_per_token", "paper_x_bound_text",
+                                formats={"elements_per_token": ",.0f"})
+RULER_POOLED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "bits_per_element", "n", "acc_base", "acc_comp", "diff",
+                            "diff_ci_text", "smallest_significant_diff", formats={"bits_per_element": ".2f"})
 
 
 def _machine() -> str:
@@ -51,28 +62,29 @@ def _sha() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def _lossless(df: pd.DataFrame) -> pd.Series:
-    return df["lossless"].astype(str) == "True" if "lossless" in df else pd.Series(False, index=df.index)
-
-
 def _figure(report: Path, out: Path, name: str, caption: str) -> str:
     png = report / "figures" / f"{name}.png"
     if not png.exists():
-        return f"_(no {name} figure: no summary carries what it plots)_\n"
+        return f"_(no {name} figure: no run carries what it plots)_\n"
     return f"![{caption}]({os.path.relpath(png, out.parent)})\n\n_{caption}_ (PDF beside it)\n"
 
 
-def cost_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Time per token beside bits per token, at each curve's best point within 1% NLL and for lossless runs."""
-    best = best_at_tolerance(df)
-    rows = df.loc[sorted(set(best.index) | set(df.index[_lossless(df)]))].copy()
-    if rows.empty:
-        return rows
-    rows["compressor"] = series_label(df).loc[rows.index]
-    tok = numeric(rows, "n_tokens")
-    rows["encode_ms_per_token"] = 1e3 * numeric(rows, "encode_s") / tok
-    rows["decode_ms_per_token"] = 1e3 * numeric(rows, "decode_s") / tok
-    return rows.sort_values(["model", "bits_per_token"])
+def _figures(report: Path, out: Path, stem: str, models: list[str], caption: str) -> list[str]:
+    return [_figure(report, out, f"{stem}_{m}", f"{caption}, {m}") for m in models]
+
+
+def _section_tables(got: Collection, name: str, overrides: Sequence[str] = ()) -> list[Table]:
+    sec = section(name)
+    tables, _ = sec.build(select(got, sec.presets, overrides))
+    return tables
+
+
+def _table(tables: list[Table], title: str) -> str:
+    """One of a section's tables by title, with its note, as Markdown."""
+    for t in tables:
+        if t.title == title:
+            return markdown([t]) + "\n"
+    return f"_(no runs for the table {title!r})_\n"
 
 
 def stores_tokens(df: pd.DataFrame) -> pd.Series:
@@ -82,27 +94,63 @@ def stores_tokens(df: pd.DataFrame) -> pd.Series:
         else pd.Series(False, index=df.index)
 
 
-def bound_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per model and context: the bound, and the fewest bits/token measured within 1% NLL (or lossless), overall
-    and among methods that store only KV (no token ids, no model run to decode)."""
+def _lossless(df: pd.DataFrame) -> pd.Series:
+    return df["lossless"].astype(str) == "True" if "lossless" in df else pd.Series(False, index=df.index)
+
+
+def short_label(d: pd.DataFrame) -> pd.Series:
+    """A row's coder and the settings that place it: ``kvtc bits=2 window=0``, ``snapkv keep=0.5 + turboquant 3-bit``."""
+    def one(r: pd.Series) -> str:
+        parts = [str(r["compressor"])]
+        for k in ("bits", "keep", "window", "entropy_coding", "predictor", "step"):
+            v = r.get(f"compressor_params.{k}")
+            if v is not None and not (isinstance(v, float) and pd.isna(v)) and not (k == "entropy_coding" and not v):
+                parts.append(f"{k}={plain(v)}")
+        inner = r.get("compressor_params.inner.name")
+        if isinstance(inner, str):
+            parts.append(f"+ {inner} {plain(r.get('compressor_params.inner.bits'))}-bit")
+        return " ".join(parts)
+    return d.apply(one, axis=1) if not d.empty else pd.Series(dtype=str)
+
+
+def distance_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the fewest bits per token measured relative to the bound of the windows each run was measured on:
+    among coders that decode without running the model, and among those that run it (token ids in the stream); a run
+    counts when it is lossless or its delta-NLL interval lies within 1% of the base NLL."""
     if df.empty or "bound_bits_per_token" not in df:
         return pd.DataFrame()
-    d = df.assign(series=series_label(df), bpt=numeric(df, "bits_per_token"), dnll=numeric(df, "delta_nll"),
-                  base=numeric(df, "nll_base"), tokens=stores_tokens(df))
-    ok = d[((d["dnll"] <= 0.01 * d["base"]) | _lossless(d)) & d["bpt"].notna()]
-    # one bound per set of windows: the same context length over a different number of windows is other text
-    keys = [k for k in ("model", "context_len", "n_sequences") if k in d]
-    if ok.empty:
-        return pd.DataFrame()
+    d = df.assign(compressor=short_label(df), x_bound=numeric(df, "bits_per_token")
+                  / numeric(df, "bound_bits_per_token"), runs_model=stores_tokens(df))
+    verdict = d["nll_verdict"].astype(str) if "nll_verdict" in d else pd.Series("", index=d.index)
+    ok = d[(_lossless(d) | (verdict == "within")) & d["x_bound"].notna()]
     picks = []
-    for which, sub in (("overall", ok), ("KV only", ok[~ok["tokens"]])):
+    for which, sub in (("decodes without the model", ok[~ok["runs_model"]]), ("runs the model to decode",
+                                                                               ok[ok["runs_model"]])):
         if not sub.empty:
-            picks.append(sub.loc[sub.groupby(keys)["bpt"].idxmin()].assign(which=which))
-    best = pd.concat(picks).sort_values([*keys, "which"], ascending=[True] * len(keys) + [False])
-    best["compressor"] = best["which"] + ": " + best["compressor"].astype(str) + " " + best["params"].fillna("")
-    paper = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
-    best["paper_gap_closed"] = best["x_bound"].map(lambda x: f"{paper:,.0f}x -> {format_ratio(x)}x")
+            picks.append(sub.loc[sub.groupby("model")["x_bound"].idxmin()].assign(which=which))
+    if not picks:
+        return pd.DataFrame()
+    best = pd.concat(picks).sort_values(["model", "which"], ascending=[True, True])
+    best["windows_text"] = [f"{int(n)} x {int(t) // int(n)}" for n, t in zip(numeric(best, "n_sequences"),
+                                                                          numeric(best, "n_tokens"))]
+    best["x_bound_text"] = best["x_bound"].map(lambda x: f"{format_ratio(x)}x")
+    best["nll_verdict"] = best["nll_verdict"].where(~_lossless(best), "exact")
     return best
+
+
+def paper_arithmetic(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the paper's own arithmetic (3 bits per K and V element over the bound) on the measured bound of the
+    default windows (the most windows of any run)."""
+    need = {"n_elements", "n_tokens", "bound_bits_per_token", "n_sequences"}
+    if df.empty or not need <= set(df.columns):
+        return pd.DataFrame()
+    d = df[numeric(df, "bound_bits_per_token").notna()]
+    d = d[numeric(d, "n_sequences") == numeric(d, "n_sequences").groupby(d["model"]).transform("max")]
+    rows = d.drop_duplicates("model").copy()
+    rows["elements_per_token"] = numeric(rows, "n_elements") / numeric(rows, "n_tokens")
+    x = 3 * rows["elements_per_token"] / numeric(rows, "bound_bits_per_token")
+    rows["paper_x_bound_text"] = x.map(lambda v: f"{format_ratio(v)}x")
+    return rows
 
 
 def sharing_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -114,37 +162,48 @@ def sharing_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def memory_speed_table(lat: pd.DataFrame) -> pd.DataFrame:
-    """Per latency run and context: the compressed cache's bytes and decode speed relative to the 16-bit cache
-    measured in the same run."""
+    """Per latency run, context and cache other than the 16-bit DynamicCache: its bytes and decode speed relative to
+    the DynamicCache measured in the same run (the compressed cache, and any library baseline such as
+    transformers' QuantizedCache)."""
     need = {"run_id", "context", "cache", "bytes_held", "tokens_per_s"}
     if lat.empty or not need <= set(lat.columns):
         return pd.DataFrame()
-    lat = lat.assign(compressor=series_label(lat, exclude=()))
-    keys = ["model", "compressor", "run_id", "context"]
-    wide = lat.pivot_table(index=keys, columns="cache", values=["bytes_held", "tokens_per_s", "decode_median_ms"],
-                           aggfunc="mean")
-    if ("bytes_held", "compressed") not in wide or ("bytes_held", "dynamic") not in wide:
+    dyn = lat[lat["cache"] == "dynamic"].set_index(["run_id", "context"])
+    rows = lat[lat["cache"] != "dynamic"].copy()
+    if rows.empty or dyn.empty:
         return pd.DataFrame()
-    t = pd.DataFrame({
-        "bytes_ratio": wide[("bytes_held", "dynamic")] / wide[("bytes_held", "compressed")],
-        "speed_ratio": wide[("tokens_per_s", "compressed")] / wide[("tokens_per_s", "dynamic")],
-        "ms_compressed": wide.get(("decode_median_ms", "compressed")),
-        "ms_dynamic": wide.get(("decode_median_ms", "dynamic")),
-    }).reset_index()
-    return t.sort_values(["model", "context", "bytes_ratio"])
+    key = list(zip(rows["run_id"], rows["context"]))
+    ref = dyn.reindex(key)
+    rows["bytes_ratio"] = ref["bytes_held"].to_numpy() / numeric(rows, "bytes_held").to_numpy()
+    rows["speed_ratio"] = numeric(rows, "tokens_per_s").to_numpy() / ref["tokens_per_s"].to_numpy()
+    rows["ms_compressed"] = numeric(rows, "decode_median_ms")
+    rows["ms_dynamic"] = ref["decode_median_ms"].to_numpy() if "decode_median_ms" in ref else float("nan")
+    name = series_label(rows, exclude=())
+    rows["cache"] = [f"{n} (compressed)" if c == "compressed" else str(lbl) if isinstance(lbl, str) else c
+                     for c, n, lbl in zip(rows["cache"], name, rows.get("label", pd.Series(index=rows.index)))]
+    return rows.sort_values(["model", "context", "bytes_ratio"])
 
 
-def accuracy_table(ev: pd.DataFrame) -> pd.DataFrame:
-    """One row per eval run: its tasks pooled."""
-    runs = with_pooled(ev)
-    if runs.empty:
+def restore_table(rs: pd.DataFrame) -> pd.DataFrame:
+    """Per restore run and context (the bandwidth rows collapsed): stored bytes against 16-bit KV, the measured
+    times and the two crossover bandwidths."""
+    if rs.empty or not {"run_id", "context"} <= set(rs.columns):
         return pd.DataFrame()
-    runs = runs[runs["task"] == "all"].copy()
-    runs["compressor"] = series_label(runs, exclude=())
-    return runs.sort_values(["model", "bits_per_element"] if "bits_per_element" in runs else ["model"])
+    d = rs.drop_duplicates(["run_id", "context"]).copy()
+    d["bytes_ratio"] = numeric(d, "bytes_16bit") / numeric(d, "bytes")
+    d["params"] = short_label(d).str.replace(r"^\S+\s*", "", regex=True)
+    return d.sort_values(["model", "compressor", "context"])
 
 
-def render(runs: Path, report: Path, out: Path) -> str:
+def ruler_pooled(got: Collection, overrides: Sequence[str] = ()) -> pd.DataFrame:
+    from kvbench.report_sections import ruler_rows
+
+    d = ruler_rows(select(got, section("ruler").presets, overrides).evals)
+    return d[d["family"] == "pooled"] if not d.empty else d
+
+
+def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, overrides: Sequence[str] = ()) -> str:
+    """The README's text; ``overrides``: those the study cells were run with (as ``kvbench report --override``)."""
     kept = blocks(out.read_text(), "findings") if out.exists() else {}
 
     def findings(key: str) -> str:
@@ -152,53 +211,90 @@ def render(runs: Path, report: Path, out: Path) -> str:
 
     got = collect([runs])
     everything = got.table
-    # multi-session (workload) runs depend on the share rate: they are compared in section 3 only
-    single = everything["workload"].isna() | (everything["workload"].astype(str) == "none") if "workload" in everything \
-        else pd.Series(True, index=everything.index)
+    single = everything["workload"].isna() | (everything["workload"].astype(str) == "none") \
+        if "workload" in everything else pd.Series(True, index=everything.index)
     df = everything[single]
+    models = list(dict.fromkeys(df["model"].astype(str))) if "model" in df else []
+    frontier, eviction, ruler = (_section_tables(got, n, overrides) for n in ("frontier", "eviction", "ruler"))
+    wall = f" in {wall_min:.0f} min of wall time" if wall_min is not None else ""
     others = sorted(p for p in out.parent.glob("*.md") if p.name != out.name)
     s = [
         "# kvbench: measured findings\n",
-        f"Regenerated by `scripts/reproduce.sh` on {time.strftime('%Y-%m-%d')} at commit `{_sha()}`, on {_machine()}.",
-        f"{len(got.table)} runs under `{runs}` ({len(everything)} distinct configs; the newest run of each is used); "
-        "every number below is read from their `summary.json` (all runs: `results/report/runs.md`, `.csv`, `.tex`).\n",
-        "## 1. Real compression ratio at <= 1% NLL regression\n",
-        "Highest compression ratio (vs the 16-bit cache, every bit counted) whose held-out NLL rises by at most 1%:\n",
-        to_markdown(best_at_tolerance(df), BEST_COLUMNS),
-        _figure(report, out, "rate_distortion", "Rate-distortion: bits per element against delta NLL"),
-        "Task accuracy with the compressed cache in the loop, paired with the 16-bit cache on the same examples "
-        "(all tasks pooled; per task in `results/report/eval.md`):\n",
-        to_markdown(accuracy_table(got.evals), ACCURACY_COLUMNS),
-        _figure(report, out, "accuracy_regression", "Task-accuracy change per compressor and task"),
-        findings("ratio"),
-        "## 2. The latency and throughput price\n",
-        "Coding time per token at each curve's best point within 1% NLL, and for the lossless coders:\n",
-        to_markdown(cost_table(df), COST_COLUMNS),
-        _figure(report, out, "throughput_vs_ratio", "Encode and decode throughput against compression ratio"),
-        "End to end, the compressed cache in the decode loop against the 16-bit cache in the same run "
-        "(all columns in `results/report/latency.md`):\n",
+        f"Regenerated by `scripts/reproduce.sh`{wall} on {time.strftime('%Y-%m-%d')} at commit `{_sha()}`, on "
+        f"{_machine()}. {len(got.table) + got.evals['run_id'].nunique() if not got.evals.empty else len(got.table)} "
+        f"runs under `{runs}`; every number below is read from their summaries (all runs: "
+        f"`{os.path.relpath(report, out.parent)}/runs.md`, `.csv`, `.tex`). Timed cells ran one torch thread each, "
+        "under the benchmark lock, beside one single-thread accuracy job on the other core. Quality is the held-out "
+        "NLL change with its paired 95% interval (block bootstrap over windows x token blocks); \"within 1%\" means "
+        "the whole interval lies at or below 1% of the base NLL, \"unresolved\" that it straddles that line.\n",
+        "## The answers\n",
+        findings("answers"),
+        "## 1. Which coder family wins at <= 1% NLL, and does any reach about 1 bit per element?\n",
+        "Each coder's fewest stream bits per element whose interval lies within 1% (the per-part study with more "
+        "rates per coder: `results/frontier.md`):\n",
+        _table(frontier, "fewest stream bits per element within 1% NLL, per coder and model"),
+        "Every cell:\n",
+        _table(frontier, "every cell"),
+        *_figures(report, out, "frontier", models, "Held-out NLL change against stream bits per element"),
+        findings("frontier"),
+        "## 2. Long-context accuracy: RULER\n",
+        "Accuracy with the compressed cache in the generation loop, paired with the 16-bit cache on the same "
+        "examples, pooled over the task families clear of chance (per task: "
+        f"`{os.path.relpath(report, out.parent)}/ruler.md`):\n",
+        to_markdown(ruler_pooled(got, overrides), RULER_POOLED_COLUMNS),
+        _table(ruler, "16-bit baseline per task"),
+        *_figures(report, out, "ruler", models, "RULER accuracy change against bits per element"),
+        findings("ruler"),
+        "## 3. Eviction or coding at equal bytes?\n",
+        _table(eviction, "every eviction cell"),
+        _table(eviction, "eviction against quantization at similar stored bits"),
+        *_figures(report, out, "eviction", models, "Eviction beside the quantizers"),
+        findings("eviction"),
+        "## 4. When does a stored compressed cache beat re-running prefill, and what does it cost per token?\n",
+        "Restoring a stored session: encode, decode, the first token's forward and the prefill are measured; the "
+        "transfer is modelled as bits over link bandwidth. The compressed cache is the fastest way to the first token "
+        "between the two crossovers (below `crossover_prefill` re-running prefill from the token ids wins, above "
+        "`crossover_16bit` sending 16-bit KV does):\n",
+        to_markdown(restore_table(got.restore), RESTORE_COLUMNS),
+        _figure(report, out, "restore_ttft", "Time to first token against link bandwidth"),
+        "Decoding with the cache resident (KIVI: a layer's packed codes unpacked when its attention runs), against "
+        "transformers' DynamicCache and QuantizedCache (HQQ) in the same run:\n",
         to_markdown(memory_speed_table(got.latency), MEMORY_COLUMNS),
-        _figure(report, out, "latency_vs_memory", "Decode throughput against the bytes the cache holds"),
-        findings("price"),
-        "## 3. Cross-session prefix sharing\n",
+        findings("latency"),
+        "## 5. Cross-session prefix sharing\n",
         to_markdown(sharing_table(everything), SHARING_COLUMNS),
         _figure(report, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
         findings("sharing"),
-        "## 4. Does the predictor's compute eat the memory saved?\n",
-        "Compressors that decode by running the model (`recompute`, and `speculative`, which predicts KV with a copy of "
-        "the model) against the rest: "
-        "bits per token and decode time per token in section 2, memory saved against decode speed in the end-to-end "
-        "table of section 2.\n",
-        findings("predictor"),
-        "## Distance to the entropy bound\n",
-        f"The paper's per-vector arithmetic for a 70B-class config is {PAPER_PER_VECTOR_BITS:,} bits/token, "
-        f"{PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS:,.0f}x its {PAPER_BOUND_BITS} bits/token bound. Measured here:\n",
-        to_markdown(bound_table(df), BOUND_COLUMNS),
-        _figure(report, out, "context_length", "Bits per token against context length, with the entropy bound"),
+        "## 6. Distance to the entropy bound, and to the paper's 914,000x\n",
+        f"The paper's figure is its per-vector arithmetic for a 70B-class config, {PAPER_PER_VECTOR_BITS:,} "
+        f"bits/token, over its {PAPER_BOUND_BITS} bits/token bound: {PAPER_FACTOR:,.0f}x. The same arithmetic on "
+        "these models (3 bits per K and V element over the bound measured on the default windows):\n",
+        to_markdown(paper_arithmetic(df), PAPER_ARITHMETIC_COLUMNS),
+        "Measured: the fewest bits per token within 1% NLL (or exact), as a multiple of the bound of the windows "
+        "each was measured on:\n",
+        to_markdown(distance_table(df), DISTANCE_COLUMNS),
         findings("bound"),
     ]
     if others:
         s += ["## Detailed results\n", *[f"- [{p.stem}]({p.name})" for p in others], ""]
     if got.skipped:
-        s += [f"{len(got.skipped)} run dirs were skipped (unfinished or unreadable); see `results/report/skipped.txt`.\n"]
+        s += [f"{len(got.skipped)} run dirs were skipped (unfinished or unreadable); see `{report}/skipped.txt`.\n"]
     return "\n".join(s)
+
+
+#: a decimal figure as findings quote it: 2.126, +0.0052, -0.208, 0.82, 1,093.5 (integers and percentages are prose)
+_FIGURE = re.compile(r"(?<![\w.])[+\-−]?\d{1,3}(?:,\d{3})*\.\d+|(?<![\w.])[+\-−]?\d+\.\d+")
+
+
+def quoted_not_generated(text: str) -> list[str]:
+    """The decimal figures quoted in the hand-written findings blocks of ``text`` that appear nowhere in its
+    generated part, as written there (sign aside): a finding may only quote what the tables show."""
+    found = blocks(text, "findings")
+    generated = re.sub(r"<!-- findings:.*?<!-- /findings -->", "", text, flags=re.S)
+    missing = []
+    for body in found.values():
+        for m in _FIGURE.finditer(body):
+            figure = m.group(0).lstrip("+-−")
+            if figure not in generated:
+                missing.append(m.group(0))
+    return missing

@@ -145,6 +145,14 @@ CATALOGUE = {c.key: c for c in (
     _col("first_token_s", "first token s", ".4f"),
     _col("crossover_16bit_gbps", "16-bit crossover Gbit/s", ".3g"),
     _col("crossover_prefill_gbps", "prefill crossover Gbit/s", ".3g"),
+    _col("encode_s", "encode s", ".4f"),
+    _col("first_token_matches_prefill", "first token = prefill's"),
+    # distance to the bound (results/README.md)
+    _col("which", "decoder"),
+    _col("windows_text", "windows x tokens"),
+    _col("x_bound_text", "x bound"),
+    _col("elements_per_token", "K+V elements/token", ",.0f"),
+    _col("paper_x_bound_text", "3 bits/elt over the bound"),
 )}
 
 

@@ -15,6 +15,7 @@ from kvbench.report_tables import to_latex, to_markdown
 def _summary(compressor, bits_el, dnll, ratio=None, **extra):
     s = {"compressor": compressor, "model": "smollm2_135m", "dataset": "sotu", "n_tokens": 4096, "n_sequences": 4,
          "bits_per_element": bits_el, "bits_per_token": bits_el * 11520, "bound_bits_per_token": 4.0,
+         "n_elements": 4096 * 11520,
          "compression_ratio": ratio or 16 / bits_el, "delta_nll": dnll, "nll_base": 2.5, "encode_MBps": 100 / bits_el,
          "decode_MBps": 300.0, "rel_mse_k": 0.01, "rel_mse_v": 0.02, "lossless": dnll == 0,
          "delta_nll_ci": [dnll - 0.004, dnll + 0.004] if dnll else [0.0, 0.0], "trace": "/t/smollm2-sotu-aaaa"}
@@ -152,25 +153,58 @@ def test_figures_with_nothing_to_plot_say_why():
         assert fig is None and why, name
 
 
-def test_results_readme_draft_has_every_section_and_keeps_hand_written_findings(runs, tmp_path):
+def test_results_readme_has_every_section_and_keeps_hand_written_findings(runs, tmp_path):
     from kvbench import report_readme as rr
     from kvbench.report import block
 
     report, out = tmp_path / "results" / "report", tmp_path / "results" / "README.md"
     write_report([runs], report, ("png",))
-    out.write_text(rr.render(runs, report, out))
+    out.write_text(rr.render(runs, report, out, wall_min=42))
     text = out.read_text()
-    for heading in ("## 1. Real compression ratio", "## 2. The latency", "## 3. Cross-session", "## 4. Does the",
-                    "## Distance to the entropy bound"):
+    assert "`scripts/reproduce.sh` in 42 min of wall time" in text and "at commit `" in text
+    for heading in ("## The answers", "## 1. Which coder family", "## 2. Long-context accuracy: RULER",
+                    "## 3. Eviction or coding", "## 4. When does a stored", "## 5. Cross-session",
+                    "## 6. Distance to the entropy bound, and to the paper's 914,000x"):
         assert heading in text
-    assert "](report/figures/rate_distortion.png)" in text and text.count(rr.FINDINGS_TODO) == 5
-    assert "| smollm2_135m | sotu | smollm2-sotu-aaaa | kivi group_size=32 |" in text  # best within 1% NLL
-    assert "| smollm2_135m | kivi bits=2 | 2.50 | 50 | 0.600 | 0.560 | -0.040 |" in text  # tasks pooled per run
+    assert text.count(rr.FINDINGS_TODO) == 7
+    assert "](report/figures/restore_ttft.png)" in text
+    # the compressed cache's row against the DynamicCache of the same run: 2 / (bits / 8 + 0.1) less memory
+    assert "| smollm2_135m | 512 | kivi bits=2 (compressed) | 5.71 | 1.000 |" in text
+    assert "| smollm2_135m | kivi | bits=2 | 1024 |" in text  # restore, one row per context
+    # the paper's arithmetic on the measured bound: 3 bits x 11,520 elements / 4.0 bits/token
+    assert "| smollm2_135m | 11,520 | 4.00 | 8,640x |" in text
+    # the fewest bits per token within 1% on its interval (or exact), relative to its windows' bound: KIVI 3-bit's
+    # interval [+0.016, +0.024] lies under 0.025 nats, TurboQuant's [+0.026, +0.034] does not
+    assert "| smollm2_135m | decodes without the model | kivi bits=3 | 4 x 1024 | 63,360.0 | 4.00 | 15,840x |" in text
     text = text.replace(block("findings", "bound", rr.FINDINGS_TODO, rr.FINDINGS_WHY),
                         block("findings", "bound", "Measured 4x above the bound.", rr.FINDINGS_WHY))
     out.write_text(text)
     again = rr.render(runs, report, out)
-    assert "Measured 4x above the bound." in again and again.count(rr.FINDINGS_TODO) == 4
+    assert "Measured 4x above the bound." in again and again.count(rr.FINDINGS_TODO) == 6
+
+
+def test_findings_may_only_quote_figures_the_generated_tables_show():
+    from kvbench.report import block
+    from kvbench.report_readme import FINDINGS_WHY, quoted_not_generated
+
+    table = "| kvtc | 2.126 | +0.0052 | [-0.0036, +0.0135] | 1,093.5 |\n"
+    ok = block("findings", "a", "KVTC at 2.126 bits/elt, +0.0052 [−0.0036, +0.0135]; 1,093.5 bits; 1% of 3 nats.",
+               FINDINGS_WHY)
+    assert quoted_not_generated(table + ok) == []
+    bad = block("findings", "b", "KVTC at 2.13 bits/elt (a rounding the table does not show), 0.0052.", FINDINGS_WHY)
+    assert quoted_not_generated(table + bad) == ["2.13"]
+    # a figure only another finding quotes is not in the generated part either
+    assert quoted_not_generated(block("findings", "c", "4.5 bits", FINDINGS_WHY) + "\n"
+                                + block("findings", "d", "4.5 bits", FINDINGS_WHY)) == ["4.5", "4.5"]
+
+
+def test_committed_findings_quote_only_generated_figures():
+    """results/README.md's hand-written findings quote figures its regenerated tables show (scripts/reproduce.sh)."""
+    from kvbench.paths import repo_root
+    from kvbench.report_readme import quoted_not_generated
+
+    readme = repo_root() / "results" / "README.md"
+    assert quoted_not_generated(readme.read_text()) == []
 
 
 def test_report_modules_import_one_way():

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kvbench-installed
 # the optional extras the tests need beyond the default install (hqq: latency.baselines=[transformers_quantized])
 TEST_STAMP := $(VENV)/.kvbench-test-extras
 
-.PHONY: install assets run test test-unit test-integration bench lint clean
+.PHONY: install assets run test test-unit test-integration bench reproduce lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-integration: assets $(TEST_STAMP)
 
 bench: assets
 	$(PY) scripts/bench_compressors.py
+
+# results/README.md and its report from scratch, both packaged models (about 50 minutes; scripts/reproduce.sh)
+reproduce: assets $(TEST_STAMP)
+	PY=$(PY) scripts/reproduce.sh
 
 lint: install
 	$(PY) -m ruff check kvbench compressors scripts tests

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from kvbench import study_figures
+from kvbench.config import available
 from kvbench.experiments import Preset, cells, fitting
 from kvbench.figures import FIGURES, accuracy
 from kvbench.report_data import (
@@ -54,11 +55,19 @@ class Section:
 
 def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] = ()) -> Collection:
     """The rows of ``got`` that are runs of the presets' cells (each run with ``overrides`` added), in the
-    presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing."""
+    presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing.
+    Unless the overrides name a model, a preset's cells run on any packaged model (``model=NAME``, as the drivers
+    take it) are its cells too."""
     where: dict[tuple[str, str], tuple[int, str]] = {}
+    frames = (got.table, got.evals, got.latency, got.restore)
+    models = sorted({str(m) for f in frames if "model" in f for m in f["model"].dropna()} & set(available("model")))
+    variants = [list(overrides)]
+    if not any(o.startswith("model=") for o in overrides):
+        variants += [[*overrides, f"model={m}"] for m in models]
     for preset in presets:  # a preset the overrides do not apply to has no cells here
-        for cell in cells([preset], fitting(preset.kind, overrides), unfit=lambda *_: None):
-            where.setdefault((cell.kind, cell.key), (len(where), preset.name))
+        for extra in variants:
+            for cell in cells([preset], fitting(preset.kind, extra), unfit=lambda *_: None):
+                where.setdefault((cell.kind, cell.key), (len(where), preset.name))
 
     def pick_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:
         if df.empty or "cell_key" not in df:

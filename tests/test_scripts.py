@@ -113,6 +113,22 @@ def test_only_keeps_the_very_cells_of_the_whole_study_and_names_the_cells_when_i
         matching(every, ["frontier_kivi compressor.bits=3"])
 
 
+def test_a_section_shows_the_cells_of_a_preset_without_a_model_axis_run_on_another_model():
+    import pandas as pd
+
+    from kvbench.report_data import Collection
+    from kvbench.report_sections import select
+
+    (gemma,) = cells([Preset("eval", "ruler")], ["+compressor=kivi", "model=gemma3_270m"])
+    (smol,) = cells([Preset("eval", "ruler")], ["+compressor=kivi"])
+    evals = pd.DataFrame({"cell_key": [gemma.key, smol.key, "other"], "model": ["gemma3_270m", "smollm2_135m", "x"]})
+    got = select(Collection(table=pd.DataFrame(), evals=evals), SECTIONS["ruler"].presets)
+    assert list(got.evals["model"]) == ["smollm2_135m", "gemma3_270m"] and set(got.evals["preset"]) == {"ruler"}
+    # an override naming the model shows that model's cells alone
+    got = select(Collection(table=pd.DataFrame(), evals=evals), SECTIONS["ruler"].presets, ["model=gemma3_270m"])
+    assert list(got.evals["model"]) == ["gemma3_270m"]
+
+
 def test_a_cell_run_by_run_cell_is_the_one_its_section_shows(tmp_path, text_file, tiny_handle, monkeypatch):
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
     tiny = ["model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}", "dataset.seq_len=64",

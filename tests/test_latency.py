@@ -187,15 +187,27 @@ def test_no_baselines_keep_the_cell_key(latency_cfg):
 MB = 1024 * 1024
 
 
+def _resident(nbytes: int):
+    """``nbytes`` of fresh, touched memory: an anonymous mapping is new pages from the kernel whatever the allocator
+    holds on to (a tensor may reuse pages a freed one left resident, and then no resident-set reading can see it)."""
+    import mmap
+
+    import numpy as np
+
+    buf = mmap.mmap(-1, nbytes)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 1
+    return buf
+
+
 @pytest.mark.parametrize("kernel_mark", [True, False], ids=["vmhwm", "no-vmhwm"])
 def test_memory_peak_sees_an_allocation(kernel_mark, monkeypatch):
     if not kernel_mark:  # a sandbox whose /proc/self/status has no usable high-water mark
         monkeypatch.setattr("kvbench.timing._status_bytes", lambda field: 0)
     mem = Memory("cpu")
     mem.start()
-    x = torch.ones(256 * MB // 4)  # touched, so resident
+    x = _resident(256 * MB)
     peak, delta = mem.peak()
-    del x
+    x.close()
     # the closing sample sees whatever is still alive, so neither a refused VmHWM reset nor the sampling interval
     # can hide it
     assert delta >= 200 * MB
@@ -205,7 +217,7 @@ def test_memory_peak_sees_an_allocation(kernel_mark, monkeypatch):
 def test_memory_peak_sees_an_allocation_freed_inside_the_block():
     rss = PeakRSS()
     rss.start()
-    x = torch.ones(256 * MB // 4)
+    x = _resident(256 * MB)
     # samples counts readings already folded into the peak; the second one after this point began after x existed
     seen = rss.samples
     deadline = time.monotonic() + 60

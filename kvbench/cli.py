@@ -1,6 +1,6 @@
 """Hydra entry points for ``run``, ``eval``, ``latency``, ``restore`` and ``capture``. Thin: each measuring command is one cell
 through :func:`cell`, which reuses a finished run of the same config or measures and writes one
-(:mod:`kvbench.results`); the work is in ``kvbench.runner``, ``kvbench.evaluation.runner``, ``kvbench.latency`` and ``kvbench.restore``.
+(:mod:`kvbench.store.results`); the work is in ``kvbench.measure.run``, ``kvbench.measure.evaluation.evaluate``, ``kvbench.measure.latency`` and ``kvbench.measure.restore``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from kvbench.assets import AssetError
-from kvbench.config import CONFIG_DIR
+from kvbench.core.config import CONFIG_DIR
+from kvbench.inputs.assets import AssetError
 
 USER_ERRORS = (ValueError, AssetError, FileNotFoundError)
 
@@ -37,8 +37,8 @@ def _sweep_cell() -> bool:
 
 def cell(kind: str, cfg: DictConfig) -> None:
     """Reuse the newest finished run of this config (``metrics.resume``) or measure one and write it."""
-    from kvbench.cells import formatter, run_cell
-    from kvbench.results import kind_of
+    from kvbench.store.results import kind_of
+    from kvbench.sweep.cells import formatter, run_cell
 
     in_sweep = _sweep_cell()
     try:
@@ -77,8 +77,8 @@ def _restore(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
 def _capture(cfg: DictConfig) -> None:
-    from kvbench.capture import capture, default_trace_dir
-    from kvbench.models import ModelHandle
+    from kvbench.inputs.capture import capture, default_trace_dir
+    from kvbench.inputs.models import ModelHandle
 
     try:
         out = Path(str(cfg.trace)).expanduser() if cfg.trace else default_trace_dir(cfg)

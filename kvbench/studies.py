@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbench.experiments import Cell, cells, run_in_process, run_isolated
-from kvbench.paths import results_root
-from kvbench.report import put_block, write_report
-from kvbench.report_sections import section
+from kvbench.report.build import put_block, write_report
+from kvbench.report.sections import section
+from kvbench.store.paths import results_root
+from kvbench.sweep.presets import Cell, cells, run_in_process, run_isolated
 
 #: what a findings file's generated block says of itself
 WHY = "report section {name}: regenerated from its runs by its driver in scripts/; edits here are overwritten"

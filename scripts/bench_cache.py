@@ -17,11 +17,11 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvbench.baselines import TransformersQuantized
-from kvbench.cache import CompressedCache
-from kvbench.config import compose, make_compressor
-from kvbench.data import load_documents, sample_windows
-from kvbench.models import ModelHandle
+from kvbench.cache.compressed import CompressedCache
+from kvbench.core.config import compose, make_compressor
+from kvbench.inputs.data import load_documents, sample_windows
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.baselines import TransformersQuantized
 
 
 @torch.no_grad()

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from kvbench.capture import capture_window
-from kvbench.config import compose
-from kvbench.data import load_documents, sample_windows
-from kvbench.models import ModelHandle
+from kvbench.core.config import compose
+from kvbench.inputs.capture import capture_window
+from kvbench.inputs.data import load_documents, sample_windows
+from kvbench.inputs.models import ModelHandle
 
 
 def main() -> None:

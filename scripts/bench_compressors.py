@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from kvbench.capture import load_or_capture
 from kvbench.coding.bitstream import Bitstream
-from kvbench.compressor import SetCompressor
-from kvbench.config import available, compose, make_compressor
-from kvbench.kv import Context
-from kvbench.models import ModelHandle
+from kvbench.core.compressor import SetCompressor
+from kvbench.core.config import available, compose, make_compressor
+from kvbench.core.kv import Context
+from kvbench.inputs.capture import load_or_capture
+from kvbench.inputs.models import ModelHandle
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.prefix.cache import replay
-from kvbench.prefix.radix import RadixTrie
+from kvbench.core.prefix_cache import replay
+from kvbench.core.radix import RadixTrie
 
 
 def stream(n: int, prompts: int, prompt_len: int, tail_len: int, seed: int = 0) -> list[np.ndarray]:

@@ -5,7 +5,7 @@
 Takes the trace's first evaluated sequence, rounds its values to float16 and to bfloat16, and prints the
 empirical entropy (bits per element, no side information) of each candidate field when one histogram is fitted
 per tensor, layer, head or channel: the floor a static per-group model of that field can reach before paying
-for its histograms, and what `compressors/lossless.py`'s choice of split rests on. Per-channel figures of wide
+for its histograms, and what `compressors/exact/lossless.py`'s choice of split rests on. Per-channel figures of wide
 alphabets are optimistic: 1024 samples cannot pin down a 256-bin histogram.
 """
 
@@ -16,9 +16,9 @@ import sys
 import numpy as np
 import torch
 
-from kvbench.capture import load_or_capture
-from kvbench.config import compose
-from kvbench.models import ModelHandle
+from kvbench.core.config import compose
+from kvbench.inputs.capture import load_or_capture
+from kvbench.inputs.models import ModelHandle
 
 FIELDS = {
     torch.float16: {  # s | e5 | m10

@@ -5,7 +5,7 @@
 
 Expects ``python -m kvbench report RUNS --out REPORT --sections overview,frontier,eviction,ruler`` to have written the
 figures (``scripts/reproduce.sh`` runs both, and passes its wall time). The prose findings are written by hand after
-reading the tables, between each section's markers; regenerating keeps them (kvbench.report_readme). ``--check``
+reading the tables, between each section's markers; regenerating keeps them (kvbench.report.readme). ``--check``
 only lists the figures a finding quotes that no generated table shows (exit 1 when there are any).
 """
 
@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvbench.paths import repo_root
-from kvbench.report_readme import quoted_not_generated, render
+from kvbench.report.readme import quoted_not_generated, render
+from kvbench.store.paths import repo_root
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

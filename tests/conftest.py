@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.kv import KVSequence
+from kvbench.core.kv import KVSequence
 
 
 class CharTokenizer:
@@ -82,7 +82,7 @@ def text_file(tmp_path):
 @pytest.fixture()
 def tiny_cfg(tmp_path, text_file, monkeypatch):
     """A run config for the tiny model on a small local text file."""
-    from kvbench.config import compose
+    from kvbench.core.config import compose
 
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
 
@@ -100,6 +100,6 @@ def tiny_cfg(tmp_path, text_file, monkeypatch):
 
 @pytest.fixture()
 def tiny_handle(tiny_model, tokenizer):
-    from kvbench.models import ModelHandle
+    from kvbench.inputs.models import ModelHandle
 
     return ModelHandle.from_loaded(tiny_model, tokenizer, OmegaConf.create({"name": "hf", "source": "hf", "path": "unused"}))

@@ -1,15 +1,15 @@
-"""AQUA-KV (compressors/aquakv.py): closed-loop cross-layer prediction, residual quantization, state as bytes."""
+"""AQUA-KV (compressors/transform/aquakv.py): closed-loop cross-layer prediction, residual quantization, state as bytes."""
 
 import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.aquakv import AquaKV, ScalarCode, ridge_fit
-from kvbench.capture import capture_window
-from kvbench.codec import decoder_for, state_bits, state_bytes
+from compressors.transform.aquakv import AquaKV, ScalarCode, ridge_fit
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.codec import decoder_for, state_bits, state_bytes
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
+from kvbench.inputs.capture import capture_window
 
 
 def rel_mse(out: KVSequence, kv: KVSequence) -> tuple[float, float]:
@@ -282,7 +282,7 @@ def test_scalar_code_matches_its_own_decoder_and_the_sphere_codebook():
 
 
 def test_one_thread_restores_the_thread_count():
-    from compressors.aquakv import one_thread
+    from compressors.transform.aquakv import one_thread
 
     before = torch.get_num_threads()
     with one_thread():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvbench import runner
+from kvbench.measure import run as runner
 
 
 class _Counting:
@@ -45,7 +45,7 @@ def test_a_trace_windows_baseline_is_scored_once_and_only_reused_for_the_same_tr
 
 
 def test_a_bit_exact_decode_reuses_the_baselines_nlls_and_a_lossy_one_is_scored(tiny_cfg, tiny_handle, monkeypatch):
-    from kvbench.config import make_compressor
+    from kvbench.core.config import make_compressor
 
     scored = []
     real = runner.continuation_nlls

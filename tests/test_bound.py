@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvbench.bound import (
+from kvbench.report.bound import (
     PAPER_BOUND_BITS,
     SEVENTY_B,
     AttentionShape,

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from compressors.identity import Identity
-from compressors.kivi import KIVI
-from kvbench.cache import CompressedCache
+from compressors.exact.identity import Identity
+from compressors.quantizers.kivi import KIVI
+from kvbench.cache.compressed import CompressedCache
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
-from kvbench.compressor import Compressor
-from kvbench.config import available, compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.compressor import Compressor
+from kvbench.core.config import available, compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +273,9 @@ def test_kivi_per_layer_reads_equal_whole_segment_decoding(tiny_model):
 def test_evicted_entries_stay_hidden_per_head_in_the_decode_loop(tiny_model):
     """The cache's logits equal scoring the decoded sequence with its kept mask, and differ from attending to the
     zeros at the evicted entries."""
-    from compressors.eviction import KNorm
-    from kvbench.eviction_mask import hide_evicted
-    from kvbench.metrics.task import build_cache
+    from compressors.eviction.methods import KNorm
+    from kvbench.cache.eviction_mask import hide_evicted
+    from kvbench.measure.metrics.task_loss import build_cache
 
     ids = _ids(64, seed=12)
     comp = KNorm(keep=0.5)
@@ -314,7 +314,7 @@ def _ctx(model, T: int) -> Context:
 
 
 def test_a_model_decoder_restores_each_segment_once_not_every_step(tiny_model, monkeypatch):
-    from compressors.recompute import Recompute
+    from compressors.exact.recompute import Recompute
 
     calls = []
     original = Recompute.decode
@@ -339,7 +339,7 @@ def test_kivi_segment_shorter_than_a_key_group_is_all_tail(tiny_model):
 
 
 def test_holding_decoded_segments_gives_the_same_logits_with_one_decode_per_segment(tiny_model, monkeypatch):
-    from compressors.turboquant import TurboQuant
+    from compressors.quantizers.turboquant import TurboQuant
 
     calls = []
     original = TurboQuant.decode

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from kvbench.codec import decoder_for, state_bytes
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.compressor import rebuild
-from kvbench.config import available, compose, make_compressor
-from kvbench.kv import Context
-from kvbench.paths import repo_root
+from kvbench.core.codec import decoder_for, state_bytes
+from kvbench.core.compressor import rebuild
+from kvbench.core.config import available, compose, make_compressor
+from kvbench.core.kv import Context
+from kvbench.store.paths import repo_root
 
 ALL = available("compressor")
 
@@ -48,7 +48,7 @@ def test_roundtrip_shapes_accounting_and_checksum(name, random_kv):
     calib = random_kv(T=160, D=64, seed=9)
     config = None
     if comp.needs_config:
-        from kvbench.rope import Rotary
+        from kvbench.core.rope import Rotary
 
         config = _config_for(kv)
         # as a capture with capture.pre_rope=true would give them
@@ -87,10 +87,10 @@ def test_state_sections_are_refused_by_a_compressor_without_state():
 
 
 def test_readme_example_is_the_shipped_fp8_module():
-    # the README's "adding a compressor" example is compressors/fp8.py verbatim, so the contract suite above
+    # the README's "adding a compressor" example is compressors/quantizers/fp8.py verbatim, so the contract suite above
     # (which covers every configs/compressor/*.yaml) runs the code a reader copies
     readme = (repo_root() / "README.md").read_text()
-    module = (repo_root() / "compressors" / "fp8.py").read_text()
+    module = (repo_root() / "compressors" / "quantizers" / "fp8.py").read_text()
     yaml = (repo_root() / "configs" / "compressor" / "fp8.yaml").read_text()
     assert f"```python\n{module}```" in readme and f"```yaml\n{yaml}```" in readme
 
@@ -120,7 +120,7 @@ def test_kivi_bad_bits_say_what_is_allowed(bits):
 
 
 def test_kivi_error_shrinks_as_bits_grow(random_kv):
-    from compressors.kivi import KIVI
+    from compressors.quantizers.kivi import KIVI
 
     kv = random_kv(T=256, D=64)
     ctx = Context.for_kv(kv)
@@ -133,7 +133,7 @@ def test_kivi_error_shrinks_as_bits_grow(random_kv):
 
 
 def test_kivi_charges_codes_scales_and_window(random_kv):
-    from compressors.kivi import KIVI
+    from compressors.quantizers.kivi import KIVI
 
     kv = random_kv(L=1, H=1, T=100, D=64)
     bs = KIVI(bits=2, group_size=32, residual=20).encode(kv, Context.for_kv(kv))
@@ -147,7 +147,7 @@ def test_kivi_charges_codes_scales_and_window(random_kv):
 
 
 def test_kivi_window_is_exact(random_kv):
-    from compressors.kivi import KIVI
+    from compressors.quantizers.kivi import KIVI
 
     kv = random_kv(T=100, D=64)
     ctx = Context.for_kv(kv)

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from compressors.delta import Delta
-from compressors.delta_predictors import FromModel, Temporal
-from compressors.lossless import Lossless
-from compressors.residual import ResidualCoder, unzigzag, zigzag
+from compressors.exact.lossless import Lossless
+from compressors.predictive.delta import Delta
+from compressors.predictive.delta_predictors import FromModel, Temporal
+from compressors.predictive.residual import ResidualCoder, unzigzag, zigzag
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.float_coding import decode_values, encode_values, from_codes, to_codes
 from kvbench.coding.packing import unpack_codes
-from kvbench.compressor import rebuild
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.compressor import rebuild
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
 
 FITTED = ["previous", "linear", "cross_layer"]
 EXACT = ["planes", "laplace"]
@@ -201,7 +201,7 @@ def test_a_decoder_rebuilt_from_the_state_bytes_decodes_the_same(kw):
 
 
 def test_a_state_framed_by_the_harness_roundtrips():
-    from kvbench.codec import decoder_for, state_bits, state_bytes
+    from kvbench.core.codec import decoder_for, state_bits, state_bytes
 
     enc = Delta(predictor="cross_layer", bits=3.0)
     enc.fit([_walk(seed=4)])
@@ -279,8 +279,8 @@ def test_a_state_for_another_shape_is_refused():
 
 
 def test_codec_state_reaches_the_summary(tiny_cfg, tiny_handle):
-    from kvbench.codec import state_bits, state_bytes
-    from kvbench.runner import measure
+    from kvbench.core.codec import state_bits, state_bytes
+    from kvbench.measure.run import measure
 
     cfg = tiny_cfg("+compressor=delta", "compressor.predictor=linear", "metrics.nll=false")
     comp = make_compressor(cfg.compressor)

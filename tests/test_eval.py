@@ -11,14 +11,14 @@ from conftest import ByteTokenizer
 from lm_eval.api.instance import Instance
 from omegaconf import OmegaConf
 
-from compressors.identity import Identity
-from compressors.kivi import KIVI
-from kvbench.evaluation import data
-from kvbench.evaluation.lm import CompressedKVLM
-from kvbench.evaluation.runner import evaluate, format_eval
-from kvbench.evaluation.stats import paired_binary
-from kvbench.evaluation.tasks import task_config, task_specs
-from kvbench.models import ModelHandle
+from compressors.exact.identity import Identity
+from compressors.quantizers.kivi import KIVI
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.evaluation import task_data as data
+from kvbench.measure.evaluation.evaluate import evaluate, format_eval
+from kvbench.measure.evaluation.lm import CompressedKVLM
+from kvbench.measure.evaluation.stats import paired_binary
+from kvbench.measure.evaluation.tasks import task_config, task_specs
 
 
 @pytest.fixture()
@@ -138,7 +138,7 @@ def test_eval_config_composes_with_the_model_and_dataset_groups():
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from kvbench.config import CONFIG_DIR
+    from kvbench.core.config import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = hydra_compose("eval", overrides=["+compressor=kivi", "tasks=[passkey]", "limit=2", "model=gemma3_270m"])
@@ -169,7 +169,7 @@ def test_cache_uses_storage_dtype(handle):
 
 
 def test_six_flips_one_way_are_the_fewest_mcnemar_calls_significant():
-    from kvbench.evaluation.stats import smallest_significant_flips
+    from kvbench.measure.evaluation.stats import smallest_significant_flips
 
     assert smallest_significant_flips() == 6  # 2 * 0.5**6 = 0.031 < 0.05 <= 2 * 0.5**5 = 0.0625
     base = np.ones(20)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.eviction import (
+from compressors.eviction.methods import (
     ALL,
     GAPS,
     H2O,
@@ -30,13 +30,13 @@ from compressors.eviction import (
     encode_positions,
     select,
 )
-from compressors.turboquant import TurboQuant
-from kvbench.capture import capture_window
-from kvbench.codec import decoder_for, state_bytes
+from compressors.quantizers.turboquant import TurboQuant
 from kvbench.coding.bitstream import Bitstream
-from kvbench.compressor import Compressor, rebuild
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.codec import decoder_for, state_bytes
+from kvbench.core.compressor import Compressor, rebuild
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
+from kvbench.inputs.capture import capture_window
 
 T = 80
 METHODS = {
@@ -342,7 +342,7 @@ def test_attention_scores_differ_per_kv_head(name, trace):
 
 
 def test_expected_attention_averages_rope_over_the_future_positions(trace):
-    from kvbench.rope import Rotary
+    from kvbench.core.rope import Rotary
 
     model, kv, ctx = trace
     comp = ExpectedAttention(future=1)
@@ -367,7 +367,7 @@ def test_snapkv_scores_are_the_pooled_window_attention(trace):
 
 
 def test_a_run_counts_positions_and_reports_the_dropped_share(tiny_cfg, tiny_handle):
-    from kvbench.runner import measure
+    from kvbench.measure.run import measure
 
     for overrides in (["+compressor=snapkv", "compressor.window=8"], ["+compressor=random_eviction"]):
         cfg = tiny_cfg(*overrides, "compressor.keep=0.25")
@@ -410,10 +410,10 @@ def test_every_method_runs_in_the_task_loop_and_the_decode_loop_with_its_entries
     from lm_eval.api.instance import Instance
     from omegaconf import OmegaConf
 
-    from kvbench.cache import CompressedCache
-    from kvbench.evaluation.lm import CompressedKVLM
-    from kvbench.latency import run_once
-    from kvbench.models import ModelHandle
+    from kvbench.cache.compressed import CompressedCache
+    from kvbench.inputs.models import ModelHandle
+    from kvbench.measure.evaluation.lm import CompressedKVLM
+    from kvbench.measure.latency import run_once
 
     model = trace[0]
     comp = METHODS[name]

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvbench.capture import capture_window
-from kvbench.kv import KVSequence
-from kvbench.metrics.distortion import DistortionAccumulator
-from kvbench.metrics.task import build_cache, continuation_nlls
+from kvbench.core.kv import KVSequence
+from kvbench.inputs.capture import capture_window
+from kvbench.measure.metrics.distortion import DistortionAccumulator
+from kvbench.measure.metrics.task_loss import build_cache, continuation_nlls
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.capture import capture_window, default_trace_dir, load_or_capture, load_trace
-from kvbench.config import make_compressor
-from kvbench.data import sample_windows
-from kvbench.results import reuse_or_measure
-from kvbench.runner import measure
+from kvbench.core.config import make_compressor
+from kvbench.inputs.capture import capture_window, default_trace_dir, load_or_capture, load_trace
+from kvbench.inputs.data import sample_windows
+from kvbench.measure.run import measure
+from kvbench.store.results import reuse_or_measure
 
 
 def test_capture_matches_the_models_own_cache(tiny_model):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvbench.config import compose, make_compressor
-from kvbench.models import ModelHandle
-from kvbench.runner import measure
+from kvbench.core.config import compose, make_compressor
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.run import measure
 
 pytestmark = pytest.mark.integration
 

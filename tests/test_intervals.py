@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.metrics.intervals import block_bootstrap_ci, minimum_detectable_effect, verdict
+from kvbench.measure.metrics.intervals import block_bootstrap_ci, minimum_detectable_effect, verdict
 
 
 def test_iid_interval_matches_the_normal_theory():
@@ -65,8 +65,8 @@ def test_minimum_detectable_effect_is_2_8_standard_errors():
 
 
 def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
-    from kvbench.config import make_compressor
-    from kvbench.runner import measure
+    from kvbench.core.config import make_compressor
+    from kvbench.measure.run import measure
 
     cfg = tiny_cfg("+compressor=kivi", "compressor.residual=0", "compressor.bits=2", "dataset.eval_len=48")
     s, _ = measure(cfg, make_compressor(cfg.compressor), tiny_handle)

@@ -7,13 +7,13 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.kvquant import HIST_BINS, KVQuant, index_bits, lloyd_1d, outlier_count
-from kvbench.capture import capture_window
-from kvbench.codec import decoder_for, state_bits, state_bytes
+from compressors.quantizers.kvquant import HIST_BINS, KVQuant, index_bits, lloyd_1d, outlier_count
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, unpack_codes
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.codec import decoder_for, state_bits, state_bytes
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
+from kvbench.inputs.capture import capture_window
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -167,7 +167,7 @@ def test_fit_undoes_rope_itself_when_given_the_config(biased):
 
 
 def test_runs_in_the_compressed_cache(biased):
-    from kvbench.cache import CompressedCache
+    from kvbench.cache.compressed import CompressedCache
 
     model, calib, _ = biased
     comp = KVQuant(bits=4)
@@ -327,7 +327,7 @@ def test_unfitted_or_mismatched_codebooks_are_refused(random_kv):
 
 @pytest.mark.integration
 def test_kvquant_on_smollm2_pre_rope_beats_post_rope():
-    from kvbench.runner import measure
+    from kvbench.measure.run import measure
 
     rates, errs = {}, {}
     for pre in ("true", "false"):
@@ -358,8 +358,8 @@ def _rope_configs():
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "partial"])
 def test_channel_major_rope_is_rotarys(name):
-    from compressors.kvquant import _ChannelRoPE
-    from kvbench.rope import Rotary
+    from compressors.quantizers.kvquant import _ChannelRoPE
+    from kvbench.core.rope import Rotary
 
     config = _rope_configs()[name]
     rotary, ours = Rotary(config), _ChannelRoPE(config)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.kvtc import MAX_WIDTH, Kvtc, allocate_dp, allocate_uniform, principal_axes
-from kvbench.capture import capture_window
-from kvbench.codec import decoder_for, state_bits, state_bytes
+from compressors.transform.kvtc import MAX_WIDTH, Kvtc, allocate_dp, allocate_uniform, principal_axes
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.kv import Context, KVSequence
-from kvbench.rope import Rotary
+from kvbench.core.codec import decoder_for, state_bits, state_bytes
+from kvbench.core.kv import Context, KVSequence
+from kvbench.core.rope import Rotary
+from kvbench.inputs.capture import capture_window
 
 SMALL = {"sinks": 4, "window": 16}
 

@@ -12,14 +12,14 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from compressors.identity import Identity
-from compressors.kivi import KIVI
-from kvbench.baselines import TransformersQuantized, quantized_cache_nbytes, transformers_quantized
-from kvbench.config import CONFIG_DIR
-from kvbench.latency import Memory, format_latency, latency_ratios, measure_latency
-from kvbench.models import ModelHandle
-from kvbench.results import cell_key
-from kvbench.timing import PeakRSS
+from compressors.exact.identity import Identity
+from compressors.quantizers.kivi import KIVI
+from kvbench.core.config import CONFIG_DIR
+from kvbench.core.timing import PeakRSS
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.baselines import TransformersQuantized, quantized_cache_nbytes, transformers_quantized
+from kvbench.measure.latency import Memory, format_latency, latency_ratios, measure_latency
+from kvbench.store.results import cell_key
 
 # the baseline's backend: installed by the test set-up (`make test` installs the `hqq` extra)
 needs_hqq = pytest.mark.skipif(importlib.util.find_spec("hqq") is None,
@@ -155,7 +155,7 @@ def test_unknown_baseline_names_the_allowed_ones(latency_cfg, own_handle):
 
 def test_missing_hqq_says_how_to_install_it(latency_cfg, own_handle, monkeypatch):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr("kvbench.baselines.importlib.util.find_spec",
+    monkeypatch.setattr("kvbench.measure.baselines.importlib.util.find_spec",
                         lambda name, *a: None if name == "hqq" else find_spec(name, *a))
     with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[hqq\]'"):
         measure_latency(latency_cfg("latency.baselines=[transformers_quantized]"), Identity(), own_handle)
@@ -202,7 +202,7 @@ def _resident(nbytes: int):
 @pytest.mark.parametrize("kernel_mark", [True, False], ids=["vmhwm", "no-vmhwm"])
 def test_memory_peak_sees_an_allocation(kernel_mark, monkeypatch):
     if not kernel_mark:  # a sandbox whose /proc/self/status has no usable high-water mark
-        monkeypatch.setattr("kvbench.timing._status_bytes", lambda field: 0)
+        monkeypatch.setattr("kvbench.core.timing._status_bytes", lambda field: 0)
     mem = Memory("cpu")
     mem.start()
     x = _resident(256 * MB)

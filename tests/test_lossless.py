@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from compressors.lossless import (
+from compressors.exact.lossless import (
     GROUPINGS,
     Histograms,
     Lossless,
@@ -17,8 +17,8 @@ from compressors.lossless import (
 )
 from kvbench.coding.bitstream import Bitstream
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -170,7 +170,7 @@ def test_bad_fields_say_what_is_allowed(field, value, allowed):
 
 
 def test_harness_records_lossless_on_the_tiny_model(tiny_cfg, tiny_handle):
-    from kvbench.runner import measure
+    from kvbench.measure.run import measure
 
     for dtype in ("float16", "bfloat16"):
         cfg = tiny_cfg("+compressor=lossless", f"dtype={dtype}", "metrics.nll=false")

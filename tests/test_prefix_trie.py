@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from kvbench.prefix.cache import PrefixCache, replay
-from kvbench.prefix.radix import RadixTrie
+from kvbench.core.prefix_cache import PrefixCache, replay
+from kvbench.core.radix import RadixTrie
 
 
 def _common(a, b):

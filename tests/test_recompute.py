@@ -6,13 +6,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from compressors.recompute import NextTokenModel, Recompute, intra_op_threads
-from kvbench.capture import capture_window
+from compressors.exact.recompute import NextTokenModel, Recompute, intra_op_threads
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
-from kvbench.models import ModelHandle
-from kvbench.runner import measure
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
+from kvbench.inputs.capture import capture_window
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.run import measure
 
 
 def _handle(model, tokenizer):

@@ -6,10 +6,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvbench.figures import FIGURES, pareto_front
-from kvbench.report import write_report
-from kvbench.report_data import best_at_tolerance, collect, series_label
-from kvbench.report_tables import to_latex, to_markdown
+from kvbench.report.build import write_report
+from kvbench.report.collect import best_at_tolerance, collect, series_label
+from kvbench.report.figures import FIGURES, pareto_front
+from kvbench.report.tables import to_latex, to_markdown
 
 
 def _summary(compressor, bits_el, dnll, ratio=None, **extra):
@@ -154,8 +154,8 @@ def test_figures_with_nothing_to_plot_say_why():
 
 
 def test_results_readme_has_every_section_and_keeps_hand_written_findings(runs, tmp_path):
-    from kvbench import report_readme as rr
-    from kvbench.report import block
+    from kvbench.report import readme as rr
+    from kvbench.report.build import block
 
     report, out = tmp_path / "results" / "report", tmp_path / "results" / "README.md"
     write_report([runs], report, ("png",))
@@ -184,8 +184,8 @@ def test_results_readme_has_every_section_and_keeps_hand_written_findings(runs, 
 
 
 def test_findings_may_only_quote_figures_the_generated_tables_show():
-    from kvbench.report import block
-    from kvbench.report_readme import FINDINGS_WHY, quoted_not_generated
+    from kvbench.report.build import block
+    from kvbench.report.readme import FINDINGS_WHY, quoted_not_generated
 
     table = "| kvtc | 2.126 | +0.0052 | [-0.0036, +0.0135] | 1,093.5 |\n"
     ok = block("findings", "a", "KVTC at 2.126 bits/elt, +0.0052 [−0.0036, +0.0135]; 1,093.5 bits; 1% of 3 nats.",
@@ -200,8 +200,8 @@ def test_findings_may_only_quote_figures_the_generated_tables_show():
 
 def test_committed_findings_quote_only_generated_figures():
     """results/README.md's hand-written findings quote figures its regenerated tables show (scripts/reproduce.sh)."""
-    from kvbench.paths import repo_root
-    from kvbench.report_readme import quoted_not_generated
+    from kvbench.report.readme import quoted_not_generated
+    from kvbench.store.paths import repo_root
 
     readme = repo_root() / "results" / "README.md"
     assert quoted_not_generated(readme.read_text()) == []
@@ -211,18 +211,18 @@ def test_report_modules_import_one_way():
     """Reading runs, writing tables and drawing figures never import the report writer, even inside a function."""
     import ast
 
-    from kvbench.paths import repo_root
+    from kvbench.store.paths import repo_root
 
     def imports(module: str) -> set[str]:
         tree = ast.parse((repo_root() / "kvbench" / f"{module}.py").read_text())
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
                {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
-    assert not {"kvbench.report", "kvbench.figures", "kvbench.report_tables"} & imports("report_data")
-    assert not {"kvbench.report", "kvbench.figures"} & imports("report_tables")
+    assert not {"kvbench.report.build", "kvbench.report.figures", "kvbench.report.tables"} & imports("report_data")
+    assert not {"kvbench.report.build", "kvbench.report.figures"} & imports("report_tables")
     for figures in ("plotting", "figures", "study_figures"):
-        assert not {"kvbench.report", "kvbench.report_tables", "kvbench.report_sections"} & imports(figures)
-    assert "kvbench.report" not in imports("report_sections")
+        assert not {"kvbench.report.build", "kvbench.report.tables", "kvbench.report.sections"} & imports(figures)
+    assert "kvbench.report.build" not in imports("report_sections")
 
 
 def test_one_column_list_serves_markdown_and_latex():
@@ -250,7 +250,7 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
     """A summary of the cell's kind, with the fields its section reads, keyed and configured as the cell."""
     from omegaconf import OmegaConf
 
-    from kvbench.config import make_compressor
+    from kvbench.core.config import make_compressor
 
     params = make_compressor(cell.cfg.compressor).describe()
     s = {"compressor": params["name"], "model": "smollm2_135m", "dataset": "sotu", "compressor_params": params,
@@ -299,9 +299,9 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
 def study_runs(tmp_path_factory):
     """One synthetic finished run for every cell of every study section, and a decoy: a run of a cell no preset
     has (the per-vector TurboQuant cell at another context length)."""
-    from kvbench import results
-    from kvbench.experiments import Preset, cells
-    from kvbench.report_sections import SECTIONS
+    from kvbench.report.sections import SECTIONS
+    from kvbench.store import results
+    from kvbench.sweep.presets import Preset, cells
 
     root = tmp_path_factory.mktemp("studies")
     todo = [c for s in SECTIONS.values() for c in cells(s.presets)]
@@ -320,7 +320,7 @@ def _rows(md: str) -> list[str]:
 
 
 def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_cells(study_runs, tmp_path):
-    from kvbench.report_sections import SECTIONS
+    from kvbench.report.sections import SECTIONS
 
     studies = [s for s in SECTIONS if s != "overview"]
     res = write_report([study_runs], tmp_path, ("png",), sections=studies)
@@ -360,8 +360,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
 
 
 def test_a_section_shows_its_cells_in_preset_order_and_the_cells_an_override_selects(study_runs):
-    from kvbench.report_data import collect
-    from kvbench.report_sections import section, select
+    from kvbench.report.collect import collect
+    from kvbench.report.sections import section, select
 
     got = collect([study_runs])
     part = select(got, section("per_vector").presets)
@@ -378,7 +378,7 @@ def test_a_section_with_no_run_of_its_cells_writes_nothing(runs, tmp_path):
 
 
 def test_a_generated_block_replaces_its_markers_contents_and_keeps_the_text_around(tmp_path):
-    from kvbench.report import blocks, put_block
+    from kvbench.report.build import blocks, put_block
 
     md = tmp_path / "study.md"
     md.write_text("# Study\n\nSetup.\n\n<!-- generated:study (old) -->\n| old |\n<!-- /generated -->\n\nFindings.\n")

@@ -5,8 +5,8 @@ import math
 import pandas as pd
 import pytest
 
-from kvbench.report_data import Collection
-from kvbench.report_sections import ruler_rows, ruler_study
+from kvbench.report.collect import Collection
+from kvbench.report.sections import ruler_rows, ruler_study
 
 
 def _evals() -> pd.DataFrame:

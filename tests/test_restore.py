@@ -10,17 +10,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from compressors.identity import Identity
-from compressors.kivi import KIVI
-from compressors.recompute import Recompute
-from compressors.turboquant import TurboQuant
+from compressors.exact.identity import Identity
+from compressors.exact.recompute import Recompute
+from compressors.quantizers.kivi import KIVI
+from compressors.quantizers.turboquant import TurboQuant
 from kvbench.coding.bitstream import Bitstream
-from kvbench.config import compose
-from kvbench.kv import Context
-from kvbench.models import ModelHandle
-from kvbench.restore import format_restore, measure_restore, session_kv, session_window
-from kvbench.restore_projection import Accelerator, Shape, project
-from kvbench.ttft import GBIT, Route, check_bandwidths, crossing, crossovers, faster_range, ttft_rows
+from kvbench.core.config import compose
+from kvbench.core.kv import Context
+from kvbench.inputs.models import ModelHandle
+from kvbench.measure.restore import format_restore, measure_restore, session_kv, session_window
+from kvbench.measure.restore_projection import Accelerator, Shape, project
+from kvbench.measure.ttft import GBIT, Route, check_bandwidths, crossing, crossovers, faster_range, ttft_rows
 
 
 @pytest.fixture()
@@ -207,8 +207,8 @@ def test_projection_formulas():
 
 
 def test_the_command_writes_a_restore_run_and_the_report_draws_it(restore_cfg, handle, tmp_path):
-    from kvbench.cells import run_cell
-    from kvbench.report import write_report
+    from kvbench.report.build import write_report
+    from kvbench.sweep.cells import run_cell
 
     cfg = restore_cfg("+compressor=identity", "restore.contexts=[32]", "restore.bandwidths_gbps=[1,100]",
                       "restore.threads=1")

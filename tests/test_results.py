@@ -5,9 +5,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import results
-from kvbench.config import make_compressor
-from kvbench.runner import measure
+from kvbench.core.config import make_compressor
+from kvbench.measure.run import measure
+from kvbench.store import results
 
 
 def _cell(cfg, handle):
@@ -48,8 +48,8 @@ def test_cell_key_ignores_output_paths_and_resume_but_not_what_is_measured():
 def test_a_compressor_field_added_later_keys_like_its_default():
     # the key holds the instantiated compressor's fields, so a config that does not name a field keys the same as
     # one that names its default
-    a = make_compressor({"_target_": "compressors.trie.Trie"}).describe()
-    b = make_compressor({"_target_": "compressors.trie.Trie", "verify_kv": True}).describe()
+    a = make_compressor({"_target_": "compressors.dedup.trie.Trie"}).describe()
+    b = make_compressor({"_target_": "compressors.dedup.trie.Trie", "verify_kv": True}).describe()
     assert results.cell_key({}, a) == results.cell_key({}, b)
 
 
@@ -77,9 +77,9 @@ def test_newest_per_cell_keeps_one_run_per_key():
 def test_fitted_state_is_cached_per_calibration_set_and_decodes_the_same(random_kv, tmp_path):
     import torch
 
-    from compressors.delta import Delta
-    from kvbench.codec import prepare
-    from kvbench.kv import Context
+    from compressors.predictive.delta import Delta
+    from kvbench.core.codec import prepare
+    from kvbench.core.kv import Context
 
     calib = [random_kv(seed=3)]
     kv = random_kv(seed=4)
@@ -99,7 +99,7 @@ def test_fitted_state_is_cached_per_calibration_set_and_decodes_the_same(random_
 
 
 def test_finished_finds_what_run_cell_wrote_and_extra_fields_are_kept(tiny_cfg, tiny_handle):
-    from kvbench.cells import finished, key_of, run_cell
+    from kvbench.sweep.cells import finished, key_of, run_cell
 
     cfg = tiny_cfg("+compressor=identity", "metrics.nll=false")
     assert finished("run", cfg) is None

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvbench.capture import capture_window
-from kvbench.rope import Rotary
+from kvbench.core.rope import Rotary
+from kvbench.inputs.capture import capture_window
 
 
 def _tiny_gemma3():

@@ -11,9 +11,10 @@ import pytest
 from conftest import ByteTokenizer
 from omegaconf import OmegaConf
 
-from kvbench.evaluation import data, ruler
-from kvbench.evaluation.runner import primary
-from kvbench.evaluation.tasks import TASKS, task_specs
+from kvbench.measure.evaluation import ruler
+from kvbench.measure.evaluation import task_data as data
+from kvbench.measure.evaluation.evaluate import primary
+from kvbench.measure.evaluation.tasks import TASKS, task_specs
 
 LENGTH = 2560  # bytes: the byte-level tokenizer needs ~1,900 for the longest instructions and worked example
 
@@ -150,10 +151,10 @@ def test_a_missing_data_file_names_itself_and_the_command_for_existing_tasks(tmp
 
 
 def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, monkeypatch):
-    from compressors.identity import Identity
-    from kvbench.evaluation.runner import evaluate
-    from kvbench.evaluation.tasks import task_config
-    from kvbench.models import ModelHandle
+    from compressors.exact.identity import Identity
+    from kvbench.inputs.models import ModelHandle
+    from kvbench.measure.evaluation.evaluate import evaluate
+    from kvbench.measure.evaluation.tasks import task_config
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     rows = [{"context": f"The magic number is {v}. The magic number is", "answers": [str(v), "7"], "length": 64, "id": i}

@@ -9,12 +9,12 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.cells import run_cell
-from kvbench.config import CONFIG_DIR, available
-from kvbench.experiments import Preset, cells, sweep_params
-from kvbench.paths import repo_root
-from kvbench.report import write_report
-from kvbench.report_sections import SECTIONS
+from kvbench.core.config import CONFIG_DIR, available
+from kvbench.report.build import write_report
+from kvbench.report.sections import SECTIONS
+from kvbench.store.paths import repo_root
+from kvbench.sweep.cells import run_cell
+from kvbench.sweep.presets import Preset, cells, sweep_params
 
 SCRIPTS_DIR = repo_root() / "scripts"
 SCRIPTS = sorted(SCRIPTS_DIR.glob("*.py"))
@@ -34,8 +34,8 @@ DOCUMENTED = re.compile(r"^#\s+python -m kvbench (run|eval|latency) -m \+experim
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_no_script_reads_or_matches_runs_itself(path):
     text = path.read_text()
-    assert not RUNS_GLOB.search(text), "find runs with kvbench.results.latest/summaries"
-    assert not RUN_FILE.search(text), "read runs through kvbench.results, not by their file names"
+    assert not RUNS_GLOB.search(text), "find runs with kvbench.store.results.latest/summaries"
+    assert not RUN_FILE.search(text), "read runs through kvbench.store.results, not by their file names"
     for arg in JSON_OF_FILE.findall(text):
         # only a script's own outputs may be read as JSON, and they are named where they are read
         named = re.search(r"""["']([\w.-]+\.json)["']""", arg)
@@ -49,8 +49,8 @@ def test_no_script_reads_or_matches_runs_itself(path):
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_no_script_styles_or_draws_figures(path):
     text = path.read_text()
-    assert not re.search(r"^\s*(STYLE|COLORS|MARKERS)\s*=", text, re.M), "one style: kvbench.plotting"
-    assert "matplotlib" not in text and "savefig" not in text, "figures are report sections (kvbench.study_figures)"
+    assert not re.search(r"^\s*(STYLE|COLORS|MARKERS)\s*=", text, re.M), "one style: kvbench.report.plotting"
+    assert "matplotlib" not in text and "savefig" not in text, "figures are report sections (kvbench.report.study_figures)"
 
 
 def test_figures_are_written_only_by_the_report_into_its_figures_folder():
@@ -116,8 +116,8 @@ def test_only_keeps_the_very_cells_of_the_whole_study_and_names_the_cells_when_i
 def test_a_section_shows_the_cells_of_a_preset_without_a_model_axis_run_on_another_model():
     import pandas as pd
 
-    from kvbench.report_data import Collection
-    from kvbench.report_sections import select
+    from kvbench.report.collect import Collection
+    from kvbench.report.sections import select
 
     (gemma,) = cells([Preset("eval", "ruler")], ["+compressor=kivi", "model=gemma3_270m"])
     (smol,) = cells([Preset("eval", "ruler")], ["+compressor=kivi"])
@@ -146,8 +146,8 @@ def test_a_cell_run_by_run_cell_is_the_one_its_section_shows(tmp_path, text_file
 
 
 def test_cells_of_a_preset_with_a_model_axis_run_in_one_process_on_their_own_models(monkeypatch):
-    from kvbench import experiments
-    from kvbench.results import Outcome
+    from kvbench.store.results import Outcome
+    from kvbench.sweep import presets as experiments
 
     seen = []
 
@@ -164,8 +164,8 @@ def test_cells_of_a_preset_with_a_model_axis_run_in_one_process_on_their_own_mod
 
 
 def test_a_cell_whose_compressor_cannot_be_built_fails_alone(monkeypatch):
-    from kvbench import experiments
-    from kvbench.results import Outcome
+    from kvbench.store.results import Outcome
+    from kvbench.sweep import presets as experiments
 
     def reusable(cell, force):
         if cell.cfg.model.name == "smollm2_135m":

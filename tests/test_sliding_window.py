@@ -3,9 +3,9 @@ has exactly the NLL of one forward pass over prefix + continuation, although the
 
 import torch
 
-from kvbench.capture import capture_window
-from kvbench.kv import KVSequence
-from kvbench.metrics.task import continuation_nll
+from kvbench.core.kv import KVSequence
+from kvbench.inputs.capture import capture_window
+from kvbench.measure.metrics.task_loss import continuation_nll
 
 
 def tiny_gemma3(window: int = 8):

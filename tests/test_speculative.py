@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compressors.delta import Delta
-from compressors.speculative import Speculative
-from kvbench.codec import decoder_for, state_bytes
+from compressors.predictive.delta import Delta
+from compressors.predictive.speculative import Speculative
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.codec import decoder_for, state_bytes
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
 
 
 def _same_bits(a, b):
@@ -28,7 +28,7 @@ def _ulp(x):
 def tiny_trace():
     from conftest import tiny_llama
 
-    from kvbench.capture import capture_window
+    from kvbench.inputs.capture import capture_window
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))

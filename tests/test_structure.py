@@ -1,11 +1,30 @@
-"""The project's import structure: no module under kvbench/ imports a compressor, and no import cycle exists among
-kvbench/ and compressors/ modules, counting imports inside functions too."""
+"""The project's import structure, counting imports inside functions too: layers of ``kvbench`` import downward
+only, no module of ``kvbench`` imports a compressor, compressors import only the layers below the cache, no import
+cycle exists, and no name is used by two modules."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvbench", "compressors")
+
+#: bottom to top: a module may import its own package and the packages of lower layers. ``kvbench`` itself (its
+#: ``__init__``: the version) is below everything; its other top-level modules (the CLI, study drivers) are on top.
+LAYERS = (
+    ("kvbench", "kvbench.coding", "kvbench.store"),
+    ("kvbench.core",),
+    ("kvbench.inputs",),
+    ("compressors",),
+    ("kvbench.cache",),
+    ("kvbench.measure",),
+    ("kvbench.sweep",),
+    ("kvbench.report",),
+    ("kvbench.app",),  # kvbench/<module>.py: the command line and study drivers
+)
+#: packages compressors may import besides their own (the harness reaches them only through configs' _target_)
+COMPRESSOR_DEPS = ("kvbench", "kvbench.coding", "kvbench.store", "kvbench.core", "kvbench.inputs")
+TOP_LEVEL_MODULES = 10
+MAX_LINES = 450
 
 
 def _module_name(path: Path) -> str:
@@ -40,6 +59,38 @@ def _graph() -> dict[str, set[str]]:
     return {m: _imports(p, modules) - {m} for m, p in modules.items()}
 
 
+def _layer_package(module: str) -> str:
+    """The entry of :data:`LAYERS` a module belongs to."""
+    if module in ("kvbench", "compressors") or module.startswith("compressors."):
+        return "kvbench" if module == "kvbench" else "compressors"
+    parts = module.split(".")
+    if len(parts) == 2 and not (ROOT / "kvbench" / parts[1]).is_dir():
+        return "kvbench.app"
+    return ".".join(parts[:2])
+
+
+def _layer(module: str) -> int:
+    pkg = _layer_package(module)
+    for i, layer in enumerate(LAYERS):
+        if pkg in layer:
+            return i
+    raise AssertionError(f"{module}: its package {pkg} is in no layer of LAYERS; add it where it belongs")
+
+
+def test_layers_import_downward_only():
+    upward = []
+    for m, deps in _graph().items():
+        for d in deps:
+            same = _layer_package(d) == _layer_package(m)
+            if m.startswith("compressors"):
+                ok = same or _layer_package(d) in COMPRESSOR_DEPS
+            else:
+                ok = same or _layer(d) < _layer(m)
+            if not ok:
+                upward.append(f"{m} -> {d}")
+    assert not upward, "imports against the layers:\n" + "\n".join(sorted(upward))
+
+
 def test_no_kvbench_module_imports_a_compressor():
     offenders = {m: sorted(d for d in deps if d.startswith("compressors"))
                  for m, deps in _graph().items() if m.startswith("kvbench")}
@@ -64,3 +115,19 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_module_names_are_unique():
+    by_name: dict[str, list[str]] = {}
+    for m, p in _modules().items():
+        if p.name != "__init__.py":
+            by_name.setdefault(p.stem, []).append(m)
+    assert not {n: ms for n, ms in by_name.items() if len(ms) > 1}
+
+
+def test_few_top_level_modules_and_short_modules():
+    top = sorted(p.name for p in (ROOT / "kvbench").glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MODULES, top
+    long = {str(p.relative_to(ROOT)): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvbench.config import available, compose
+from kvbench.core.config import available, compose
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from kvbench.results import write
+        from kvbench.store.results import write
 
         class Stall:  # serialised last: the kill lands while the staged directory is half written
             def __str__(self):
@@ -155,8 +155,8 @@ def test_killed_cell_leaves_no_summary_and_is_skipped_by_report(tmp_path):
     leftovers = [d for d in runs.iterdir() if d.name.startswith(".kivi-abc.")]
     assert len(leftovers) == 1 and not (leftovers[0] / "summary.json").exists()
 
-    from kvbench.report import write_report
-    from kvbench.report_data import collect
+    from kvbench.report.build import write_report
+    from kvbench.report.collect import collect
 
     good = runs / "kivi-good"
     good.mkdir()
@@ -184,7 +184,7 @@ def test_experiment_presets_compose_and_their_first_cell_builds(name):
     """Each preset composes, sets only what it lists, and its sweep axes are valid overrides."""
     from omegaconf import OmegaConf
 
-    from kvbench.config import make_compressor
+    from kvbench.core.config import make_compressor
 
     raw = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "experiment" / f"{name}.yaml"))
     params = raw.get("hydra", {}).get("sweeper", {}).get("params", {})
@@ -223,7 +223,7 @@ def test_slurm_launcher_config(tmp_path, monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from kvbench.config import CONFIG_DIR
+    from kvbench.core.config import CONFIG_DIR
 
     monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path / "res"))
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from compressors.identity import Identity
-from compressors.kivi import KIVI
-from compressors.pipeline import Pipeline
-from compressors.trie import Trie
+from compressors.dedup.pipeline import Pipeline
+from compressors.dedup.trie import Trie
+from compressors.exact.identity import Identity
+from compressors.quantizers.kivi import KIVI
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.kv import Context, KVSequence, first_kv_mismatch
-from kvbench.prefix.cache import replay
+from kvbench.core.kv import Context, KVSequence, first_kv_mismatch
+from kvbench.core.prefix_cache import replay
 
 L, H, D = 2, 2, 32
 
@@ -114,7 +114,7 @@ def test_pipeline_beats_its_inner_alone_when_sessions_share():
 def test_pipeline_resolves_inner_by_name_node_or_object():
     assert isinstance(Pipeline(inner="kivi").inner, KIVI)
     assert Pipeline(inner={"name": "kivi", "bits": 4}).inner.bits == 4
-    assert Pipeline(inner={"_target_": "compressors.kivi.KIVI", "bits": 3}).inner.bits == 3
+    assert Pipeline(inner={"_target_": "compressors.quantizers.kivi.KIVI", "bits": 3}).inner.bits == 3
     assert Pipeline(inner=KIVI(bits=5)).inner.bits == 5
     assert Pipeline(dedup={"name": "trie", "block_size": 4}).dedup.block_size == 4
     with pytest.raises(ValueError, match="not a compressor config; available"):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from compressors.rotation import RandomizedHadamard, RandomOrthogonal, fwht, hadamard_matrix
-from compressors.sphere_codebook import codebook, solve
-from compressors.turboquant import TurboQuant, split_bits
+from compressors.quantizers.rotation import RandomizedHadamard, RandomOrthogonal, fwht, hadamard_matrix
+from compressors.quantizers.sphere_codebook import codebook, solve
+from compressors.quantizers.turboquant import TurboQuant, split_bits
 from kvbench.coding.bitstream import Bitstream
-from kvbench.config import compose, make_compressor
-from kvbench.kv import Context, KVSequence
+from kvbench.core.config import compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
 
 # Lloyd-Max distortion of a unit-variance Gaussian at 1..4 bits (Max 1960), which the paper quotes for TQ_mse
 GAUSSIAN_LLOYD_MAX = {1: 0.3634, 2: 0.1175, 3: 0.0345, 4: 0.0095}
@@ -266,7 +266,7 @@ def test_non_finite_kv_is_refused(random_kv):
 
 @pytest.mark.integration
 def test_tq_mse_on_smollm2_matches_the_unit_vector_distortion():
-    from kvbench.runner import measure
+    from kvbench.measure.run import measure
 
     cfg = compose(["+compressor=turboquant", "compressor.bits=3", "metrics.nll=false"])
     summary, _ = measure(cfg, make_compressor(cfg.compressor))
@@ -295,7 +295,7 @@ def test_pack_codes_is_an_lsb_first_bit_stream():
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_quantize_and_dequantize_packed_match_the_plain_rules(bits):
-    from compressors.scalar_codes import dequantize_packed, quantize
+    from compressors.quantizers.scalar_codes import dequantize_packed, quantize
     from kvbench.coding.packing import pack_codes
 
     cb = codebook(64, bits)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from kvbench.config import make_compressor
-from kvbench.results import reuse_or_measure
-from kvbench.runner import measure
+from kvbench.core.config import make_compressor
+from kvbench.measure.run import measure
+from kvbench.store.results import reuse_or_measure
 
 SMALL = ["workload=shared_system", "workload.n_sessions=4", "workload.system_tokens=80", "workload.user_tokens=30"]
 CONTRACT = ["compressor", "model", "dataset", "n_tokens", "n_elements", "total_bits", "bits_per_element", "bits_per_token",
@@ -77,8 +77,8 @@ def test_trie_on_shared_system_with_smollm2(tmp_path):
 def test_shared_prefix_kv_reports_where_two_prefills_differ():
     import torch
 
-    from kvbench.kv import KVSequence
-    from kvbench.sessions import CapturedSession, shared_prefix_kv
+    from kvbench.core.kv import KVSequence
+    from kvbench.measure.sessions import CapturedSession, shared_prefix_kv
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 1, 40, 8, generator=g).half(), torch.randn(2, 1, 40, 8, generator=g).half()

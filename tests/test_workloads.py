@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from kvbench.config import available, compose
-from kvbench.workloads import make_workload, selected, sharing_stats
-from kvbench.workloads.doc_qa import DocQA
-from kvbench.workloads.fewshot import FewShot
-from kvbench.workloads.hash_trace import infer_block_tokens, read_hash_trace, trace_report
-from kvbench.workloads.mixed import Mixed
-from kvbench.workloads.multiturn import MultiTurn
-from kvbench.workloads.shared_system import SharedSystem
-from kvbench.workloads.text import chat_tokens, encode
+from kvbench.core.config import available, compose
+from kvbench.inputs.workloads import make_workload, selected, sharing_stats
+from kvbench.inputs.workloads.doc_qa import DocQA
+from kvbench.inputs.workloads.fewshot import FewShot
+from kvbench.inputs.workloads.hash_trace import infer_block_tokens, read_hash_trace, trace_report
+from kvbench.inputs.workloads.mixed import Mixed
+from kvbench.inputs.workloads.multiturn import MultiTurn
+from kvbench.inputs.workloads.shared_system import SharedSystem
+from kvbench.inputs.workloads.text import chat_tokens, encode
 
 
 def _docs(text_file):

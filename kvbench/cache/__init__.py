@@ -1,0 +1,1 @@
+"""A compressed KV cache the model decodes with: stored segments, per-layer reads, eviction masks."""

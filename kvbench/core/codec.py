@@ -1,0 +1,104 @@
+"""Encoder and decoder as two parties: what crosses between them is bytes, and the harness counts every one.
+
+The encoder is the configured compressor, fitted on calibration windows. Its fitted state
+(:meth:`~kvbench.core.compressor.Compressor.state`) is framed as a checksummed bitstream whose bits the harness counts
+(``codec_bits``, charged once per run). The decoder is a fresh instance rebuilt from the config alone
+(:func:`~kvbench.core.compressor.rebuild`) that has loaded those bytes, so no Python object passes anything uncounted
+from one side to the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.coding.bitstream import Bitstream
+from kvbench.core.compressor import Compressor, fits, rebuild
+from kvbench.core.kv import KVSequence
+from kvbench.core.timing import Stopwatch
+from kvbench.store.atomic import write_bytes
+from kvbench.store.paths import home
+from kvbench.store.results import git_sha
+
+
+def state_name(compressor: Compressor) -> str:
+    return f"{compressor.name}.state"
+
+
+def state_bytes(compressor: Compressor) -> bytes:
+    """The encoder's fitted state as a framed bitstream (empty when nothing was fitted)."""
+    sections = compressor.state()
+    return Bitstream.pack(state_name(compressor), sections).data if sections else b""
+
+
+def state_bits(state: bytes) -> int:
+    """Every bit of a state stream, counted from its bytes (its frame included)."""
+    return Bitstream.from_bytes(state).num_bits if state else 0
+
+
+def decoder_for(compressor: Compressor, state: bytes) -> Compressor:
+    """A fresh instance of ``compressor``'s config that knows only ``state``."""
+    fresh = rebuild(compressor)
+    fresh.load_state(Bitstream.from_bytes(state).sections(expect=state_name(compressor)) if state else {})
+    return fresh
+
+
+@dataclass
+class Codec:
+    """A fitted encoder, the decoder rebuilt from its state bytes, and what that cost."""
+
+    encoder: Compressor
+    decoder: Compressor
+    state: bytes
+    fit_s: float
+    cached: bool = False  # the state was fitted by an earlier run on the same calibration set
+
+    @property
+    def codec_bits(self) -> int:
+        return state_bits(self.state)
+
+    def stats(self) -> dict:
+        """What both sides measured along the way (encode stages on one, decode stages on the other); a number
+        both report, such as a predictor's set-up time, is summed: each side paid it."""
+        out = dict(self.encoder.stats())
+        for k, v in self.decoder.stats().items():
+            out[k] = out[k] + v if isinstance(v, (int, float)) and isinstance(out.get(k), (int, float)) else out.get(k, v)
+        return out
+
+
+def state_cache_path(compressor: Compressor, calib_id: str) -> Path | None:
+    """Where the fitted state of ``compressor`` on the calibration set ``calib_id`` is kept, so that a sweep fits
+    each (model, data, compressor) once; None when the code version is not a commit (a dirty tree could fit
+    differently from the one that wrote the file)."""
+    sha = git_sha()
+    if sha.endswith("-dirty") or sha == "unknown":
+        return None
+    blob = json.dumps([calib_id, compressor.describe(), sha], sort_keys=True, default=str)
+    return home() / "codecs" / f"{compressor.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.state"
+
+
+def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], device: str = "cpu",
+            cache: Path | None = None, config: Any = None) -> Codec:
+    """Fit ``compressor`` on ``calib()`` (read only when it learns anything) and rebuild its decoder from bytes.
+
+    With ``cache`` (see :func:`state_cache_path`), state fitted earlier on the same calibration set is loaded from
+    that file instead (``fit_s`` is then 0 and the encoder, too, is rebuilt from the bytes), and a fresh fit is
+    written there atomically.
+    """
+    watch = Stopwatch(device)
+    if not fits(compressor):
+        return Codec(compressor, decoder_for(compressor, state_bytes(compressor)), state_bytes(compressor), 0.0)
+    if cache is not None and cache.exists():
+        state = cache.read_bytes()
+        return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True)
+    windows = list(calib())
+    with watch():
+        compressor.fit(windows, config=config)
+    state = state_bytes(compressor)
+    if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
+        write_bytes(cache, state)
+    return Codec(compressor, decoder_for(compressor, state), state, watch.seconds)

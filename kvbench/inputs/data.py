@@ -1,0 +1,72 @@
+"""Public text, tokenized and cut into deterministic windows: a prefix whose KV is compressed, then a held-out
+continuation that is scored with the reconstructed cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbench.inputs.assets import AssetError, ensure_text
+
+
+def load_documents(ds: Any) -> list[str]:
+    """Documents of a dataset config: packaged corpora (``sotu``, ``moby``) or ``text`` with ``path=``."""
+    if ds.name in ("sotu", "moby"):
+        return [p.read_text(encoding="utf-8") for p in sorted(ensure_text(ds.name).glob("*.txt"))]
+    path = Path(str(ds.path)).expanduser()
+    if not path.exists():
+        raise AssetError(f"dataset.path={path} does not exist (a .txt file, or .jsonl with a {ds.field!r} field)")
+    if path.suffix == ".jsonl":
+        docs = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                row = json.loads(line)
+                if ds.field not in row:
+                    raise ValueError(f"{path}:{i + 1} has no field {ds.field!r} (set dataset.field=...)")
+                docs.append(str(row[ds.field]))
+        return docs
+    if path.suffix in (".txt", ".md", ""):
+        return [path.read_text(encoding="utf-8")]
+    raise ValueError(f"dataset.path={path}: unsupported file type {path.suffix!r}; allowed: .txt, .jsonl")
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
+def sample_windows(docs: list[str], tokenizer: Any, n: int, length: int, seed: int) -> torch.Tensor:
+    """``n`` non-overlapping windows of ``length`` tokens, ``(n, length)`` int64, the same for the same seed.
+
+    Documents are visited in a seeded order and each gives one window at a seeded offset; when there are fewer
+    long-enough documents than windows, documents give several non-overlapping ones. Models whose tokenizer
+    starts every text with BOS get BOS as each window's first token.
+    """
+    rng = np.random.default_rng(seed)
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    body = length - len(bos)
+    order = rng.permutation(len(docs))
+    per_doc = 1 if len(docs) >= n else -(-n // max(len(docs), 1))
+    windows: list[list[int]] = []
+    for i in order:
+        ids = tokenizer(docs[i], add_special_tokens=False).input_ids
+        slots = len(ids) // body
+        if slots == 0:
+            continue
+        take = min(per_doc, slots, n - len(windows))
+        # spread the slack of a document randomly in front of its windows
+        slack = len(ids) - slots * body
+        shift = int(rng.integers(0, slack + 1))
+        for s in sorted(rng.choice(slots, size=take, replace=False)):
+            start = shift + int(s) * body
+            windows.append(bos + ids[start : start + body])
+        if len(windows) == n:
+            return torch.tensor(windows, dtype=torch.long)
+    raise AssetError(
+        f"the dataset holds only {len(windows)} windows of {length} tokens; need {n}: lower dataset.seq_len, "
+        "dataset.eval_len or dataset.n_sequences, or use a larger text"
+    )

@@ -1,0 +1,102 @@
+"""Loading the model that produces (and, for some compressors, regenerates) the KV cache."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.inputs.assets import AssetError, ensure_model
+
+
+@dataclass
+class ModelInfo:
+    """The model facts a trace records and a decoder may rely on."""
+
+    name: str
+    source: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_types: list[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_model_dir(model_cfg: Any) -> Path:
+    if model_cfg.source == "packaged":
+        return ensure_model(model_cfg.name)
+    if model_cfg.source == "hf":
+        path = Path(str(model_cfg.path)).expanduser()
+        if not (path / "config.json").exists():
+            raise AssetError(f"model.path={path} is not a Hugging Face checkpoint directory (no config.json)")
+        return path
+    raise ValueError(f"model.source={model_cfg.source!r} is not allowed; choose 'packaged' or 'hf'")
+
+
+def describe(model: Any, name: str, source: str, meta: dict | None = None) -> ModelInfo:
+    c = model.config.get_text_config(decoder=True)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    return ModelInfo(name, source, c.num_hidden_layers, c.num_attention_heads, n_kv, head_dim, c.vocab_size, types, meta or {})
+
+
+class ModelHandle:
+    """Loads the model and tokenizer on first use, so that runs on a stored trace need not load them at all."""
+
+    def __init__(self, model_cfg: Any, device: str = "cpu") -> None:
+        self.cfg, self.device = model_cfg, device
+        self._model = self._tok = None
+
+    @classmethod
+    def from_loaded(cls, model: Any, tokenizer: Any, model_cfg: Any) -> ModelHandle:
+        """Wrap an already built model (tests build tiny random ones)."""
+        h = cls(model_cfg, str(next(model.parameters()).device))
+        h._model, h._tok, h._meta = model.eval(), tokenizer, {"built_in_process": True}
+        return h
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model_dir(self.cfg)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError("device=cuda was asked for but torch sees no CUDA device; use device=cpu")
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        meta_file = path / "kvbench_asset.json"
+        self._meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"path": str(path)}
+
+    @property
+    def loaded(self) -> bool:
+        """True once the weights are in memory (a run on a stored trace without NLL never loads them)."""
+        return self._model is not None
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            self._load()
+        return self._model
+
+    @property
+    def config(self) -> Any:
+        """The model's transformers config, read without loading the weights when they are not in memory."""
+        if self._model is not None:
+            return self._model.config
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(resolve_model_dir(self.cfg))
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            self._load()
+        return self._tok
+
+    @property
+    def info(self) -> ModelInfo:
+        return describe(self.model, self.cfg.name, self.cfg.source, self._meta)

@@ -1,0 +1,41 @@
+"""Task loss with a given cache: the held-out continuation scored on top of a (reconstructed) prefix KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbench.cache.eviction_mask import hide_evicted
+from kvbench.core.kv import KVSequence
+
+
+def build_cache(model: Any, kv: KVSequence) -> Any:
+    """A transformers ``DynamicCache`` filled with ``kv``, with the model's own layer types (sliding windows)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    for layer in range(kv.shape[0]):
+        k = kv.k[layer].unsqueeze(0).to(device=device, dtype=torch.float32)  # (1, H, T, D)
+        v = kv.v[layer].unsqueeze(0).to(device=device, dtype=torch.float32)  # (1, H, T, D)
+        cache.update(k, v, layer)
+    return cache
+
+
+@torch.no_grad()
+def continuation_nlls(model: Any, kv: KVSequence, continuation: torch.Tensor) -> np.ndarray:
+    """Per-token NLL (nats), ``(E,)``, of ``continuation[1:]`` given the prefix cache ``kv`` and
+    ``continuation[:-1]``: the unit that paired intervals resample."""
+    device = next(model.parameters()).device
+    ids = continuation.to(device)
+    with hide_evicted(model, kv.kept):  # a token-eviction decoder's dropped entries stay out of attention
+        out = model(ids[:-1].unsqueeze(0), cache=build_cache(model, kv), use_cache=True)
+    nll = torch.nn.functional.cross_entropy(out.logits[0].float(), ids[1:], reduction="none")  # (E,)
+    return nll.double().cpu().numpy()
+
+
+def continuation_nll(model: Any, kv: KVSequence, continuation: torch.Tensor) -> float:
+    """Mean NLL (nats) of ``continuation[1:]`` given the prefix cache ``kv`` and ``continuation[:-1]``."""
+    return float(continuation_nlls(model, kv, continuation).mean())

@@ -1,0 +1,233 @@
+"""One cell of the benchmark as a plain function: items -> encoder -> bytes -> fresh decoder -> measurements.
+
+Dataset windows (:func:`trace_source`) and multi-session workloads (:func:`kvbench.measure.sessions.workload_source`) are
+two sources of the same items; a :class:`~kvbench.core.compressor.SetCompressor` codes all items of a cell into one
+bitstream, any other compressor codes them one by one. Either way the decoder is a fresh instance that has only
+the config, the codec's state bytes, the stored bitstream and the free context.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvbench.coding.bitstream import Bitstream
+from kvbench.core.codec import Codec, prepare, state_cache_path
+from kvbench.core.compressor import Compressor, SetCompressor
+from kvbench.core.items import Item, Source
+from kvbench.core.kv import Context, KVSequence
+from kvbench.core.timing import Stopwatch
+from kvbench.inputs.capture import cache_dtype, load_or_capture
+from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.workloads import selected as workload_selected
+from kvbench.measure.metrics.distortion import DistortionAccumulator
+from kvbench.measure.metrics.intervals import NLL_TOLERANCE, block_bootstrap_ci, detectable_from_ci, verdict
+from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
+from kvbench.measure.metrics.task_loss import continuation_nlls
+from kvbench.store.results import git_sha
+
+
+def trace_source(cfg: Any, handle: ModelHandle) -> Source:
+    """The dataset's evaluation windows (captured once, then reused), each scored on its held-out continuation."""
+    trace = load_or_capture(cfg, handle)
+    if trace.manifest["dtype"] != cfg.dtype:
+        raise ValueError(f"trace {trace.path} holds {trace.manifest['dtype']} KV but dtype={cfg.dtype} was asked for")
+    ev = trace.eval
+    items = [Item(s.kv, s.kv.n_tokens, s.continuation if cfg.metrics.nll else None) for s in ev]
+    lp = torch.cat([s.logprobs for s in ev])
+    fields = {"bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
+              "trace": str(trace.path), "trace_captured": trace.captured}
+    return Source(items, lambda: [s.kv for s in trace.calib], fields, str(trace.path))
+
+
+#: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every
+#: cell on a trace, so a sweep in one process scores each window's baseline once
+_BASE_NLLS: dict[tuple, np.ndarray] = {}
+
+
+def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item) -> np.ndarray:
+    """The baseline's per-token NLLs of dataset window ``i`` of ``trace``, computed once per process (a model built
+    in the process, or no trace, is scored every time)."""
+    score = lambda: continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), it.continuation)  # noqa: E731
+    if trace is None or (getattr(handle, "_meta", None) or {}).get("built_in_process"):
+        return score()
+    model = tuple(str(handle.cfg.get(k)) for k in ("name", "path")) if hasattr(handle.cfg, "get") else (str(handle.cfg),)
+    key = (trace, model, str(handle.device), i, it.score_from, int(it.continuation.numel()))
+    if key not in _BASE_NLLS:
+        _BASE_NLLS[key] = score()
+    return _BASE_NLLS[key]
+
+
+def _part_totals(parts: dict[str, int]) -> dict[str, int]:
+    # a pipeline's sections are "<segment>/<inner section>"; sum them per inner section
+    out: dict[str, int] = {}
+    for name, bits in parts.items():
+        head, sep, rest = name.partition("/")
+        key = f"inner/{rest}" if sep and head.isdigit() else name
+        out[key] = out.get(key, 0) + bits
+    return out
+
+
+def code(codec: Codec, kvs: Sequence[KVSequence], enc_ctxs: Sequence[Context], dec_ctxs: Sequence[Context],
+         enc: Stopwatch, dec: Stopwatch) -> tuple[list[KVSequence], list[int], list[dict[str, int]]]:
+    """Encode, keep only the bytes, decode them on the codec's fresh decoder; the bits are counted from the
+    stored bytes. A set compressor codes every sequence into one stream."""
+    if isinstance(codec.encoder, SetCompressor):
+        with enc():
+            bs = codec.encoder.encode_set(kvs, enc_ctxs)
+        stored = Bitstream.from_bytes(bs.data)
+        with dec():
+            outs = codec.decoder.decode_set(stored, dec_ctxs)
+        return list(outs), [stored.num_bits], [_part_totals(stored.parts)]
+    outs, bits, parts = [], [], []
+    for kv, ce, cd in tqdm(list(zip(kvs, enc_ctxs, dec_ctxs)), desc=f"{codec.encoder.name}: code", unit="seq",
+                           leave=False, disable=None):  # disable=None: a bar on a terminal, silent in sweep logs
+        with enc():
+            bs = codec.encoder.encode(kv, ce)
+        stored = Bitstream.from_bytes(bs.data)
+        with dec():
+            outs.append(codec.decoder.decode(stored, cd))
+        bits.append(stored.num_bits)
+        parts.append(stored.parts)
+    return outs, bits, parts
+
+
+def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None) -> tuple[dict, list[dict]]:
+    """Run one cell and return ``(summary, rows)``. ``cfg`` is the resolved run config (DictConfig or alike)."""
+    handle = handle or ModelHandle(cfg.model, cfg.device)
+    if workload_selected(cfg.get("workload")):
+        from kvbench.measure.sessions import workload_source
+
+        source = workload_source(cfg, handle, compressor)
+    else:
+        source = trace_source(cfg, handle)
+    dtype = cache_dtype(cfg.dtype)
+    model_ref = handle if compressor.needs_model else None
+    config = handle.config if compressor.needs_config else None
+
+    codec = prepare(compressor, source.calib, cfg.device, state_cache_path(compressor, source.calib_id), config)
+    kvs = [it.kv for it in source.items]
+    enc_ctxs = []
+    for it in source.items:
+        ctx = Context.for_kv(it.kv, model_ref, config)
+        ctx.extras.update(it.extras)
+        enc_ctxs.append(ctx)
+    enc, dec = Stopwatch(cfg.device), Stopwatch(cfg.device)
+    outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref, config) for kv in kvs], enc, dec)
+
+    dist = DistortionAccumulator()
+    lossless, n_tok, n_el = True, 0, 0
+    nll_base, nll_comp = [], []  # per-token NLL arrays, one per scored item
+    reused = 0  # scored items whose decoded cache is the captured one, bit for bit
+    for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
+                           disable=None):
+        kv = it.kv
+        if kv_hat.shape != kv.shape or kv_hat.k.dtype != dtype:
+            raise RuntimeError(f"{compressor.name} decoded {tuple(kv_hat.shape)} {kv_hat.k.dtype}; expected {tuple(kv.shape)} {dtype}")
+        exact = torch.equal(kv_hat.k, kv.k) and torch.equal(kv_hat.v, kv.v)
+        lossless &= exact and (kv_hat.kept is None or bool(kv_hat.kept.all()))
+        dist.add("k", kv.k, kv_hat.k, kv_hat.kept)
+        dist.add("v", kv.v, kv_hat.v, kv_hat.kept)
+        n_tok += kv.n_tokens
+        n_el += kv.n_elements
+        if it.continuation is not None:
+            trace = None if workload_selected(cfg.get("workload")) else source.fields.get("trace")
+            nll_base.append(_base_nlls(handle, trace, len(nll_base), it))
+            if exact and kv_hat.kept is None:
+                # the same cache, bit for bit, scores what the baseline scored: the same computation on the same
+                # inputs (half of a lossless run's time on CPU)
+                nll_comp.append(nll_base[-1].copy())
+                reused += 1
+            else:
+                nll_comp.append(continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
+
+    baseline_mb = n_el * 2 / 1e6
+    summary = {
+        "compressor": compressor.name,
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "n_sequences": len(kvs),
+        "n_tokens": n_tok,
+        "n_elements": n_el,
+        **rate_summary(bits, parts, n_tok, n_el, codec.codec_bits),
+        "lossless": bool(lossless),
+        "encode_s": enc.seconds,
+        "decode_s": dec.seconds,
+        "fit_s": codec.fit_s,
+        "fit_cached": codec.cached,
+        "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
+        "decode_MBps": baseline_mb / dec.seconds if dec.seconds else math.inf,
+        "rel_mse_k": dist.rel_mse("k"),
+        "rel_mse_v": dist.rel_mse("v"),
+        "max_abs_err_k": dist.max_abs_err("k"),
+        "max_abs_err_v": dist.max_abs_err("v"),
+        "cosine_k": dist.cosine("k"),
+        "cosine_v": dist.cosine("v"),
+        "dropped_fraction": dist.dropped_fraction("k"),
+        **task_loss(nll_base, nll_comp, cfg.metrics),
+        "nll_compressed_reused": reused,
+        **source.fields,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "compressor_params": compressor.describe(),
+        "compressor_stats": codec.stats(),
+        "model_loaded": handle.loaded,
+        "git_sha": git_sha(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return summary, dist.rows()
+
+
+def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any) -> dict:
+    """Mean NLL with and without compression over every scored token, the paired difference with its 95%
+    block-bootstrap interval (:mod:`kvbench.measure.metrics.intervals`), and the verdict against the 1% line."""
+    if not nll_base:
+        nan = math.nan
+        return {"nll_base": nan, "nll_compressed": nan, "delta_nll": nan, "delta_nll_ci": [nan, nan],
+                "nll_base_ci": [nan, nan], "eval_tokens": 0, "delta_nll_verdict_1pct": "unresolved", "delta_nll_mde": nan}
+    block, resamples, seed = int(metrics.ci_block), int(metrics.ci_resamples), int(metrics.ci_seed)
+    base, comp = np.concatenate(nll_base), np.concatenate(nll_comp)
+    diffs = [c - b for b, c in zip(nll_base, nll_comp)]
+    delta_ci = block_bootstrap_ci(diffs, block, resamples, seed)
+    nll_base_mean = float(base.mean())
+    return {
+        "nll_base": nll_base_mean,
+        "nll_compressed": float(comp.mean()),
+        "delta_nll": float(comp.mean() - nll_base_mean),
+        "delta_nll_ci": delta_ci,
+        "nll_base_ci": block_bootstrap_ci(nll_base, block, resamples, seed),
+        "eval_tokens": int(base.size),
+        "ci_block_tokens": block,
+        "delta_nll_verdict_1pct": verdict(delta_ci, NLL_TOLERANCE * nll_base_mean),
+        # the smallest true delta NLL these tokens detect 80% of the time at the 5% level, from this cell's spread
+        "delta_nll_mde": detectable_from_ci(delta_ci),
+    }
+
+
+def format_summary(s: dict) -> str:
+    """A compact table for the terminal."""
+    rows = [
+        ("compressor", s["compressor"]),
+        ("model / dataset", f"{s['model']} / {s['dataset']}  ({s['n_sequences']} seq x {s['n_tokens'] // max(s['n_sequences'], 1)} tok)"),
+        ("bits / element", f"{s['bits_per_element']:.4f}"),
+        ("bits / token", f"{s['bits_per_token']:,.1f}   (bound {s['bound_bits_per_token']:.2f})"),
+        ("compression ratio", f"{s['compression_ratio']:.3f}x vs 16-bit"),
+        ("lossless", str(s["lossless"])),
+        ("rel MSE  K / V", f"{s['rel_mse_k']:.3e} / {s['rel_mse_v']:.3e}"),
+        ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  over {s.get('eval_tokens', 0):,} tokens"),
+        ("delta NLL", _delta_text(s)),
+        ("encode / decode", f"{s['encode_s']:.3f} s ({s['encode_MBps']:.0f} MB/s) / {s['decode_s']:.3f} s ({s['decode_MBps']:.0f} MB/s)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _delta_text(s: dict) -> str:
+    lo, hi = s.get("delta_nll_ci", [math.nan, math.nan])
+    return f"{s['delta_nll']:+.4f} nats, 95% CI [{lo:+.4f}, {hi:+.4f}]  ({s.get('delta_nll_verdict_1pct', '?')} 1% of base)"

@@ -1,1 +1,0 @@
-"""Cross-session prefix sharing: an exact radix trie over token ids and prefix-cache policies replayed on it."""

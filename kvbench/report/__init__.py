@@ -1,0 +1,1 @@
+"""Tables, figures and pages from finished runs; the entropy-bound report."""

@@ -1,0 +1,279 @@
+"""The report's data: every run summary under some dirs read into tables, with the columns tables and figures share.
+
+Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
+``python -m kvbench eval``), end-to-end latency (``latency.json``, ``python -m kvbench latency``) and time to first
+token restoring a stored cache (``restore.json``, ``python -m kvbench restore``). A bad or
+partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
+skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.measure.metrics.intervals import NLL_TOLERANCE, verdict
+from kvbench.store.results import KINDS, newest_per_cell
+
+# A run dir's summary file names its kind (kvbench.store.results.KINDS): compression cells, task accuracy, latency.
+SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
+# Files that mark a directory as a run, finished or not.
+RUN_FILES = (*SUMMARY_FILES, *(k.table for k in KINDS.values()))
+# Parameters that set a compressor's rate: points along one curve rather than separate curves.
+RATE_KNOBS = ("bits", "step")
+
+
+@dataclass
+class Collection:
+    table: pd.DataFrame  # one row per compression cell (summary.json)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    evals: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (eval run, task)
+    latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
+    restore: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (restore run, context, bandwidth)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        elif isinstance(v, list | tuple):
+            out[key] = json.dumps(v, default=str)
+        else:
+            out[key] = v
+    return out
+
+
+def _read_summary(path: Path) -> tuple[dict, dict]:
+    """The flattened summary of one run dir, with its config (``cfg.*``) when ``config.json`` is there, and the raw
+    summary (whose per-task and per-context lists become rows of their own tables)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable {path.name} ({type(e).__name__}: {e})") from e
+    if not isinstance(summary, dict) or "compressor" not in summary:
+        raise ValueError("not a kvbench summary (no 'compressor' key)")
+    row = _flatten({k: v for k, v in summary.items() if k not in ("config", "tasks", "rows")})
+    cfg = summary.get("config")
+    cfg_file = path.parent / "config.json"
+    if not isinstance(cfg, dict) and cfg_file.exists():
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            cfg = None
+    if isinstance(cfg, dict):
+        row.update(_flatten(cfg, "cfg."))
+    return row, summary
+
+
+def _explode(row: dict, items: list[dict]) -> list[dict]:
+    return [{**row, **_flatten(item)} for item in items if isinstance(item, dict)]
+
+
+def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
+    """Read every run summary under ``dirs``; list the dirs that could not be read instead of failing. With
+    ``newest_only``, a cell measured more than once (same ``cell_key``, e.g. at several code versions) is shown by
+    its newest run."""
+    found_runs, skipped, seen = [], [], set()
+    for d in map(Path, dirs):
+        if not d.exists():
+            skipped.append((d, "no such directory"))
+            continue
+        if d.is_file():
+            d = d.parent
+        for run_dir in sorted({p.parent for name in RUN_FILES for p in d.rglob(name)}):
+            if run_dir.resolve() in seen:
+                continue
+            seen.add(run_dir.resolve())
+            if any(part.startswith(".") for part in run_dir.relative_to(d).parts):
+                # staged_dir() renames a finished run into place; a hidden one is a killed cell's leftovers
+                skipped.append((run_dir, "staging directory of an unfinished or killed run"))
+                continue
+            found = [name for name in SUMMARY_FILES if (run_dir / name).exists()]
+            if not found:
+                skipped.append((run_dir, f"no {', '.join(SUMMARY_FILES)} (unfinished or killed run)"))
+                continue
+            for name in found:
+                try:
+                    row, raw = _read_summary(run_dir / name)
+                except ValueError as e:
+                    skipped.append((run_dir, str(e)))
+                    continue
+                row.update(run_dir=str(run_dir), run_id=run_dir.name, kind=SUMMARY_FILES[name])
+                found_runs.append({**raw, "_row": row})
+    if newest_only:
+        found_runs = [r for kind in KINDS for r in newest_per_cell([r for r in found_runs if r["_row"]["kind"] == kind])]
+    rows, evals, latency, restore = [], [], [], []
+    for raw in found_runs:
+        row = raw["_row"]
+        if row["kind"] == "eval":
+            tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
+            evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
+        elif row["kind"] == "latency":
+            latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+        elif row["kind"] == "restore":
+            restore += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+        else:
+            rows.append(row)
+    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)),
+                      _derive(pd.DataFrame(restore)))
+
+
+def numeric(df: pd.DataFrame, col: str) -> pd.Series:
+    """A column as numbers (NaN where it is not one, all NaN where the column is missing)."""
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
+
+
+def param_columns(df: pd.DataFrame) -> list[str]:
+    return [c for c in df.columns if c.startswith("compressor_params.") and c != "compressor_params.name"]
+
+
+def _params_text(row: pd.Series, cols: list[str]) -> str:
+    parts = []
+    for c in cols:
+        v = row.get(c)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        parts.append(f"{c.removeprefix('compressor_params.')}={plain(v)}")
+    return " ".join(parts)
+
+
+def plain(v) -> str:
+    """A value as text, whole floats without their ``.0`` (a parameter read back from a table column is a float)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _derive(df: pd.DataFrame) -> pd.DataFrame:
+    """Columns every figure and table relies on: context length, distance to the bound, parameter text."""
+    if df.empty:
+        return df
+    df = df.copy()
+    seq = numeric(df, "cfg.dataset.seq_len")
+    per_seq = numeric(df, "n_tokens") / numeric(df, "n_sequences")
+    context = seq.fillna(per_seq).astype(float)
+    if "workload" in df:  # sessions of a workload have their own lengths: the mean session
+        multi = df["workload"].notna() & ~df["workload"].astype(str).isin(["none", ""])
+        context = per_seq.astype(float).where(multi, context)
+    df["context_len"] = context
+    df["x_bound"] = numeric(df, "bits_per_token") / numeric(df, "bound_bits_per_token")
+    for t in ("encode_s", "decode_s"):  # a run codes n_sequences windows (or sessions) one after another
+        df[f"{t}_per_seq"] = numeric(df, t) / numeric(df, "n_sequences")
+    _quality(df)
+    pcols = param_columns(df)
+    df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)
+    sort = [c for c in ("model", "dataset", "compressor", "params", "context_len", "bits_per_element") if c in df]
+    return df.sort_values(sort, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def _ci(text) -> tuple[float, float]:
+    try:
+        low, high = json.loads(text) if isinstance(text, str) else (math.nan, math.nan)
+        return float(low), float(high)
+    except (TypeError, ValueError):
+        return math.nan, math.nan
+
+
+def interval_text(low, high, fmt: str):
+    """``[low, high]`` in ``fmt``, or NaN (a missing cell) when either end is missing."""
+    try:
+        lo, hi = float(low), float(high)
+    except (TypeError, ValueError):
+        return math.nan
+    return f"[{lo:{fmt}}, {hi:{fmt}}]" if math.isfinite(lo) and math.isfinite(hi) else math.nan
+
+
+def with_pooled(ev: pd.DataFrame, pooled: str = "all") -> pd.DataFrame:
+    """Eval rows (one per run and task) followed, per run, by a row of its pooled statistics (``overall.*``) as a
+    task named ``pooled``; each row gets its paired 95% interval of the accuracy difference as text."""
+    if ev.empty or "run_id" not in ev:
+        return ev
+    runs = ev.drop_duplicates("run_id")
+    stats = {c.removeprefix("overall."): runs[c] for c in runs.columns if c.startswith("overall.")}
+    rows = pd.concat([ev, runs.assign(task=pooled, **stats)], ignore_index=True)
+    order = {r: i for i, r in enumerate(ev["run_id"].drop_duplicates())}
+    rows = rows.sort_values("run_id", key=lambda r: r.map(order), kind="stable").reset_index(drop=True)
+    rows["diff_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in zip(numeric(rows, "ci95_low"), numeric(rows, "ci95_high"))]
+    return rows
+
+
+def pool_tasks(g: pd.DataFrame) -> dict:
+    """Pooled paired statistics of eval rows (tasks) from their per-task ones: accuracies and the difference
+    weighted by examples, its standard error and 95% interval from the per-task variances of the differences (tasks
+    are independent sets of examples)."""
+    from kvbench.measure.evaluation.stats import smallest_significant_flips
+
+    n = numeric(g, "n")
+    total = float(n.sum())
+    if total == 0:
+        return {"n": 0}
+    w = n / total
+    diff = float((w * numeric(g, "diff")).sum())
+    se = math.sqrt(float((w**2 * numeric(g, "stderr_diff").fillna(0.0) ** 2).sum()))
+    return {"n": int(total), "acc_base": float((w * numeric(g, "acc_base")).sum()),
+            "acc_comp": float((w * numeric(g, "acc_comp")).sum()), "diff": diff, "stderr_diff": se,
+            "ci95_low": max(diff - 1.96 * se, -1.0), "ci95_high": min(diff + 1.96 * se, 1.0), "mcnemar_p": math.nan,
+            "smallest_significant_diff": smallest_significant_flips() / total}
+
+
+def _quality(df: pd.DataFrame) -> None:
+    """The delta-NLL interval as numbers and as text, its verdict against 1% of the base NLL (summaries without an
+    interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows
+    are compared with each other)."""
+    ci = [_ci(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
+    df["delta_nll_low"] = [lo for lo, _ in ci]
+    df["delta_nll_high"] = [hi for _, hi in ci]
+    df["delta_nll_ci_text"] = [interval_text(lo, hi, "+.4f") for lo, hi in ci]
+    base = numeric(df, "nll_base")
+    df["nll_verdict"] = [verdict(c, NLL_TOLERANCE * b) if math.isfinite(b) else math.nan for c, b in zip(ci, base)]
+    trace = df["trace"].astype(str).map(lambda t: Path(t).name) if "trace" in df else pd.Series("", index=df.index)
+    if "workload" in df:
+        wl = df["workload"].fillna("").astype(str)
+        trace = trace.where(wl.isin(["", "none"]), trace + "/" + wl)
+    df["windows"] = trace
+
+
+def series_label(df: pd.DataFrame, exclude: Iterable[str] = RATE_KNOBS) -> pd.Series:
+    """A curve label per row: the compressor plus whichever of its parameters vary among its runs, except
+    ``exclude`` (the parameters that move a point along the curve)."""
+    if df.empty:
+        return pd.Series(dtype=str)
+    labels = pd.Series(df["compressor"].astype(str), index=df.index)
+    if "compressor_params.inner.name" in df:  # a pipeline is named by what it wraps: pipeline(turboquant)
+        inner = df["compressor_params.inner.name"]
+        labels = labels.where(inner.isna(), labels + "(" + inner.astype(str) + ")")
+    pcols = [c for c in param_columns(df) if c.removeprefix("compressor_params.") not in set(exclude)]
+    for _, idx in df.groupby("compressor").groups.items():
+        sub = df.loc[idx]
+        varying = [c for c in pcols if sub[c].astype(str).nunique(dropna=False) > 1]
+        if varying:
+            text = sub.apply(lambda r, v=varying: _params_text(r, v), axis=1)
+            labels.loc[idx] = (labels.loc[idx] + " " + text).str.strip()
+    return labels
+
+
+def best_at_tolerance(df: pd.DataFrame, tol: float = NLL_TOLERANCE) -> pd.DataFrame:
+    """Per (model, dataset, evaluated windows, curve): the highest compression ratio whose delta-NLL interval lies
+    wholly at or below ``tol * nll_base`` (verdict ``within``). Cells on other windows (another context length,
+    other text) are never compared: each set of windows gets its own rows."""
+    need = {"compression_ratio", "delta_nll_high", "nll_base", "windows"}
+    if df.empty or not need <= set(df.columns):
+        return pd.DataFrame()
+    d = df.assign(series=series_label(df), ratio=numeric(df, "compression_ratio"), high=numeric(df, "delta_nll_high"),
+                  base=numeric(df, "nll_base"))
+    ok = d[d["ratio"].notna() & d["base"].notna() & (d["high"] <= tol * d["base"])]
+    if ok.empty:
+        return pd.DataFrame()
+    best = ok.loc[ok.groupby(["model", "dataset", "windows", "series"])["ratio"].idxmax()]
+    cols = ["model", "dataset", "windows", "series", "params", "context_len", "bits_per_element", "bits_per_token",
+            "x_bound", "compression_ratio", "delta_nll", "delta_nll_ci_text", "nll_base"]
+    out = best[[c for c in cols if c in best]]
+    return out.rename(columns={"series": "compressor"}).sort_values(["model", "dataset", "windows", "compression_ratio"],
+                                                                   ascending=[True, True, True, False])

@@ -1,0 +1,218 @@
+"""The results layer: which finished run is this cell, reuse it or measure it, and write it atomically.
+
+Every command that measures (``run``, ``eval``, ``latency``, ``restore``) writes one directory per run under
+``<results root>/runs/``::
+
+    <prefix><compressor>-<cell_key>-<code version>/
+        <kind file>        summary.json | eval.json | latency.json | restore.json: the measurements, plus
+                           ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config``, so that one file describes
+                           its run
+        <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet
+        config.json        the resolved config
+
+``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
+version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a field added
+later with a default keys the same as an old config that did not name it). The code version (``git_sha``) is kept
+beside it, not in it: a commit does not orphan earlier runs, and :func:`latest` finds the newest finished run of a
+cell under any code version unless ``same_code=True`` asks for this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.store.atomic import staged_dir
+from kvbench.store.paths import repo_root, results_root
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of measurement and the files its runs hold."""
+
+    name: str
+    prefix: str  # of the run directory's name
+    summary: str  # the summary file's name
+    table: str  # the per-row table's name
+
+
+KINDS = {
+    "run": Kind("run", "", "summary.json", "rows.parquet"),
+    "eval": Kind("eval", "eval-", "eval.json", "eval.parquet"),
+    "latency": Kind("latency", "latency-", "latency.json", "latency.parquet"),
+    "restore": Kind("restore", "restore-", "restore.json", "restore.parquet"),
+}
+
+#: top-level config nodes that say where results go or whether to reuse them, not what is measured
+NOT_KEYED = ("paths", "hydra")
+#: metrics.* fields that steer the command, not the measurement
+NOT_KEYED_METRICS = ("resume",)
+#: (node, field) -> value: config fields added after runs were filed without them, left out of the key while they hold
+#: the value under which the run measures what those runs measured, so those runs keep their keys
+ADDED_LATER = {
+    ("latency", "baselines"): [],
+    ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
+}
+
+
+def git_sha() -> str:
+    """The code version: the checkout's commit, ``-dirty`` when tracked files differ from it."""
+    try:
+        out = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "HEAD"], capture_output=True, text=True)
+        sha = out.stdout.strip() if out.returncode == 0 else "unknown"
+        dirty = subprocess.run(["git", "-C", str(repo_root()), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def kind_of(name: str) -> Kind:
+    if name not in KINDS:
+        raise ValueError(f"unknown kind of run {name!r}; one of {sorted(KINDS)}")
+    return KINDS[name]
+
+
+def keyed_config(cfg_dict: dict, compressor_config: dict | None = None) -> dict:
+    """The part of a resolved config that identifies the measurement (see the module docstring)."""
+    keyed = {k: v for k, v in cfg_dict.items() if k not in NOT_KEYED}
+    if isinstance(keyed.get("metrics"), dict):
+        keyed["metrics"] = {k: v for k, v in keyed["metrics"].items() if k not in NOT_KEYED_METRICS}
+    for (node, name), value in ADDED_LATER.items():
+        if isinstance(keyed.get(node), dict) and keyed[node].get(name, value) == value:
+            keyed[node] = {k: v for k, v in keyed[node].items() if k != name}
+    if compressor_config is not None:
+        keyed["compressor"] = compressor_config
+    return keyed
+
+
+def cell_key(cfg_dict: dict, compressor_config: dict | None = None) -> str:
+    """12 hex digits of the hash of :func:`keyed_config`."""
+    blob = json.dumps(keyed_config(cfg_dict, compressor_config), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def root_of(cfg_dict: dict) -> Path:
+    return results_root((cfg_dict.get("paths") or {}).get("results"))
+
+
+def _short(sha: str) -> str:
+    return sha[:7] + ("-dirty" if sha.endswith("-dirty") else "")
+
+
+def run_dir(root: Path, kind: str, name: str, key: str, sha: str) -> Path:
+    return Path(root) / "runs" / f"{kind_of(kind).prefix}{name}-{key}-{_short(sha)}"
+
+
+def read_summary(path: Path) -> dict | None:
+    """A finished run's summary, or None when the file is missing or unreadable (a run still being written never
+    is: directories appear whole)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def finished(root: Path, kind: str, key: str, name: str = "*", same_code: bool = False) -> list[dict]:
+    """Every finished run of the cell ``key`` under ``root``, newest first; each summary gets ``_dir``."""
+    k = kind_of(kind)
+    sha = _short(git_sha()) if same_code else "*"
+    out = []
+    for f in Path(root).glob(f"runs/{k.prefix}{name}-{key}-{sha}/{k.summary}"):
+        s = read_summary(f)
+        if s is not None and s.get("cell_key") == key:
+            out.append({**s, "_dir": str(f.parent)})
+    return sorted(out, key=lambda s: str(s.get("created", "")), reverse=True)
+
+
+def latest(root: Path, kind: str, key: str, name: str = "*", same_code: bool = False) -> dict | None:
+    """The newest finished run of the cell ``key`` (any code version unless ``same_code``), or None."""
+    runs = finished(root, kind, key, name, same_code)
+    return runs[0] if runs else None
+
+
+def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict) -> None:
+    """Write a run directory atomically: it appears whole or not at all."""
+    import pandas as pd
+
+    k = kind_of(kind)
+    with staged_dir(path) as tmp:
+        pd.DataFrame(rows).to_parquet(tmp / k.table, index=False)
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
+        (tmp / k.summary).write_text(json.dumps(summary, indent=2, default=str))
+
+
+@dataclass
+class Outcome:
+    summary: dict
+    path: Path
+    reused: bool
+
+
+def resume_mode(value: Any) -> str:
+    """``metrics.resume``: true (reuse a finished run of any code version), ``code`` (only of this code
+    version) or false (always measure)."""
+    if value in (True, "true", "any"):
+        return "any"
+    if value in (False, "false", None):
+        return "never"
+    if value == "code":
+        return "code"
+    raise ValueError(f"metrics.resume={value!r} is not allowed; choose one of [true, code, false]")
+
+
+def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: dict | None,
+                     measure: Callable[[], tuple[dict, list[dict]]], resume: Any = True) -> Outcome:
+    """Return the newest finished run of this cell, or measure it (``measure()`` gives ``(summary, rows)``) and
+    write it with ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config`` in the summary."""
+    mode = resume_mode(resume)
+    key = cell_key(cfg_dict, compressor_config)
+    root = root_of(cfg_dict)
+    if mode != "never":
+        found = latest(root, kind, key, name, same_code=mode == "code")
+        if found is not None:
+            path = Path(found.pop("_dir"))
+            return Outcome(found, path, True)
+    summary, rows = measure()
+    sha = git_sha()
+    summary = {**summary, "kind": kind, "cell_key": key, "git_sha": sha, "config": cfg_dict}
+    summary.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    path = run_dir(root, kind, name, key, sha)
+    write(path, kind, summary, rows, cfg_dict)
+    return Outcome(summary, path, False)
+
+
+def summaries(dirs: Iterable[str | os.PathLike], kind: str = "run") -> list[dict]:
+    """Every finished run of ``kind`` under ``dirs`` (searched recursively), each with ``_dir``; a killed run's
+    hidden staging directory is not a run."""
+    k = kind_of(kind)
+    out = []
+    for d in dirs:
+        for f in sorted(Path(d).rglob(k.summary)):
+            if any(part.startswith(".") for part in f.relative_to(d).parts[:-1]):
+                continue
+            s = read_summary(f)
+            if s is not None:
+                out.append({**s, "_dir": str(f.parent)})
+    return out
+
+
+def newest_per_cell(runs: list[dict]) -> list[dict]:
+    """One run per ``cell_key`` (the newest), in the order of first appearance; runs without a key stay."""
+    best: dict[str, dict] = {}
+    order: list[str] = []
+    for i, s in enumerate(runs):
+        key = s.get("cell_key") or f"#{i}"
+        if key not in best:
+            order.append(key)
+            best[key] = s
+        elif str(s.get("created", "")) > str(best[key].get("created", "")):
+            best[key] = s
+    return [best[k] for k in order]

@@ -1,0 +1,69 @@
+"""One cell of any measuring command, from config overrides or a composed config: reuse the newest finished run
+of it or measure and write one. The CLI, sweeps and study scripts all go through :func:`run_cell`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kvbench.core.config import compose, make_compressor
+from kvbench.store.results import Outcome, cell_key, latest, reuse_or_measure, root_of
+
+#: kind -> (config name, measuring function, terminal formatter)
+COMMANDS = {
+    "run": ("run", "kvbench.measure.run:measure", "kvbench.measure.run:format_summary"),
+    "eval": ("eval", "kvbench.measure.evaluation.evaluate:evaluate", "kvbench.measure.evaluation.evaluate:format_eval"),
+    "latency": ("latency", "kvbench.measure.latency:measure_latency", "kvbench.measure.latency:format_latency"),
+    "restore": ("restore", "kvbench.measure.restore:measure_restore", "kvbench.measure.restore:format_restore"),
+}
+
+
+def _function(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _command(kind: str) -> tuple[str, str, str]:
+    if kind not in COMMANDS:
+        raise ValueError(f"unknown command {kind!r}; one of {sorted(COMMANDS)}")
+    return COMMANDS[kind]
+
+
+def compose_cell(kind: str, overrides: list[str]) -> Any:
+    """The config ``python -m kvbench KIND OVERRIDES`` would run."""
+    return compose(list(overrides), config_name=_command(kind)[0])
+
+
+def formatter(kind: str):
+    return _function(_command(kind)[2])
+
+
+def key_of(cfg: Any) -> str:
+    """The ``cell_key`` that :func:`run_cell` files this config's runs under."""
+    return cell_key(OmegaConf.to_container(cfg, resolve=True), make_compressor(cfg.get("compressor")).describe())
+
+
+def finished(kind: str, cfg: Any, same_code: bool = False) -> dict | None:
+    """The newest finished run of the cell ``cfg`` under its results root (any code version unless
+    ``same_code``), or None: what :func:`run_cell` would reuse."""
+    _command(kind)
+    return latest(root_of(OmegaConf.to_container(cfg, resolve=True)), kind, key_of(cfg), same_code=same_code)
+
+
+def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra: dict | None = None,
+             **measure_kw: Any) -> Outcome:
+    """Reuse the newest finished run of ``cfg`` (``resume``: default ``cfg.metrics.resume``; see
+    :func:`kvbench.store.results.resume_mode`) or measure it with ``kind``'s function and write it, with ``extra``
+    fields (e.g. the machine's load while it ran) added to the measured summary."""
+    compressor = make_compressor(cfg.get("compressor"))
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    measure = _function(_command(kind)[1])
+    resume = cfg.metrics.resume if resume is None else resume
+
+    def measured() -> tuple[dict, list[dict]]:
+        summary, rows = measure(cfg, compressor, handle, **measure_kw)
+        return {**summary, **(extra or {})}, rows
+
+    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(), measured, resume)

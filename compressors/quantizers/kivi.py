@@ -8,6 +8,7 @@ the paper's streaming cache. Codes are packed densely; scales, zero points and t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,12 @@ class KIVI(Compressor):
         check_range("kivi", "group_size", self.group_size, 1, 1 << 16, integer=True)
         check_range("kivi", "residual", self.residual, 0, 1 << 30, integer=True)
         self.bits, self.group_size, self.residual = int(self.bits), int(self.group_size), int(self.residual)
+
+    def recent_window(self) -> int:
+        return self.residual
+
+    def without_recent_window(self) -> KIVI:
+        return dataclasses.replace(self, residual=0) if self.residual else self
 
     def _split(self, ctx: Context) -> tuple[int, int, int]:
         """Tokens quantized for K (whole groups only), for V, and the value group width."""

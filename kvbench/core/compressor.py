@@ -55,6 +55,17 @@ class Compressor(abc.ABC):
         bytes). None (the default): the cache keeps the bytes and decodes the whole sequence per forward pass."""
         return None
 
+    def recent_window(self) -> int:
+        """The most recent tokens this compressor keeps in the cache dtype itself while a cache decodes (KIVI's
+        residual window); 0 when it keeps none. A resident cache keeps them in its own window instead, on
+        :meth:`without_recent_window`."""
+        return 0
+
+    def without_recent_window(self) -> Compressor:
+        """This compressor coding every token it is given: the working copy of a cache whose own window holds the
+        recent tokens, so that they are not kept twice."""
+        return self
+
     def state(self) -> dict[str, Section]:
         """What :meth:`fit` learned that the decoder needs (predictor weights, fitted steps, codebooks that are
         not derivable from the config), as named byte sections; empty when nothing was fitted.

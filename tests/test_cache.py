@@ -273,7 +273,7 @@ def test_kivi_per_layer_reads_equal_whole_segment_decoding(tiny_model):
 def test_evicted_entries_stay_hidden_per_head_in_the_decode_loop(tiny_model):
     """The cache's logits equal scoring the decoded sequence with its kept mask, and differ from attending to the
     zeros at the evicted entries."""
-    from compressors.eviction.methods import KNorm
+    from compressors.eviction.knorm import KNorm
     from kvbench.cache.eviction_mask import hide_evicted
     from kvbench.measure.metrics.task_loss import build_cache
 

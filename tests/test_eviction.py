@@ -10,26 +10,24 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.eviction.methods import (
+from compressors.eviction.evict import select
+from compressors.eviction.expected_attention import ExpectedAttention
+from compressors.eviction.h2o import H2O
+from compressors.eviction.kept_positions import (
     ALL,
     GAPS,
-    H2O,
     MASK,
-    TOVA,
-    ExpectedAttention,
-    KNorm,
-    Queries,
-    RandomEviction,
-    SnapKV,
-    StreamingLLM,
     _code_gaps,
     _code_mask,
-    attention_sums,
-    capture_queries,
     decode_positions,
     encode_positions,
-    select,
 )
+from compressors.eviction.knorm import KNorm
+from compressors.eviction.query_attention import Queries, attention_sums, capture_queries
+from compressors.eviction.random_eviction import RandomEviction
+from compressors.eviction.snapkv import SnapKV
+from compressors.eviction.streaming_llm import StreamingLLM
+from compressors.eviction.tova import TOVA
 from compressors.quantizers.turboquant import TurboQuant
 from kvbench.coding.bitstream import Bitstream
 from kvbench.core.codec import decoder_for, state_bytes

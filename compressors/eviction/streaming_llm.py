@@ -1,0 +1,26 @@
+"""StreamingLLM (Xiao et al., arXiv 2309.17453) as an eviction method: the attention sinks and the most recent
+tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compressors.eviction.evict import Eviction
+from kvbench.core.kv import Context, KVSequence
+
+
+@dataclass
+class StreamingLLM(Eviction):
+    """StreamingLLM (Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models with Attention Sinks",
+    arXiv 2309.17453): the first ``sinks`` tokens (attention sinks) and the most recent ones; ``keep`` sets the
+    recent window to ``round(keep * T) - sinks`` tokens. The positions cost a few bits per head."""
+
+    sinks: int = 4
+
+    name = "streaming_llm"
+
+    def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
+        L, H, T, _ = kv.shape
+        return torch.arange(T, dtype=torch.float32).expand(L, H, T)  # (L, H, T) the most recent first

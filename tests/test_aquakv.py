@@ -4,7 +4,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.transform.aquakv import AquaKV, ScalarCode, ridge_fit
+from compressors.transform.aquakv import AquaKV
+from compressors.transform.aquakv_code import ScalarCode
+from compressors.transform.aquakv_predict import ridge_fit
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bits, state_bytes
 from kvbench.core.config import compose, make_compressor
@@ -282,7 +284,7 @@ def test_scalar_code_matches_its_own_decoder_and_the_sphere_codebook():
 
 
 def test_one_thread_restores_the_thread_count():
-    from compressors.transform.aquakv import one_thread
+    from compressors.transform.aquakv_predict import one_thread
 
     before = torch.get_num_threads()
     with one_thread():

@@ -11,7 +11,8 @@ import torch
 from compressors.exact.lossless import Lossless
 from compressors.predictive.delta import Delta
 from compressors.predictive.delta_predictors import FromModel, Temporal
-from compressors.predictive.residual import ResidualCoder, unzigzag, zigzag
+from compressors.predictive.residual import ResidualCoder
+from compressors.predictive.residual_planes import unzigzag, zigzag
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.float_coding import decode_values, encode_values, from_codes, to_codes

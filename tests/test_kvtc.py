@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.transform.kvtc import MAX_WIDTH, Kvtc, allocate_dp, allocate_uniform, principal_axes
+from compressors.transform.kvtc import Kvtc
+from compressors.transform.kvtc_calibration import MAX_WIDTH, allocate_dp, allocate_uniform, principal_axes
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bits, state_bytes
 from kvbench.core.kv import Context, KVSequence

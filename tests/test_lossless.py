@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from compressors.exact.lossless import (
+from compressors.exact.lossless import Lossless
+from compressors.exact.plane_coder import (
     GROUPINGS,
     Histograms,
-    Lossless,
     PlaneModel,
     choose_grouping,
     count_levels,

@@ -9,7 +9,7 @@ reconstruction is rounded to the cache dtype).
 
 ``exact_coder=`` picks the exact coder. ``planes`` (default): the zigzag difference of each value's 16-bit pattern
 from its prediction's, or the value itself where a channel is better coded without its prediction, through the
-byte-plane coder of :mod:`compressors.exact.lossless`. ``laplace``: each value under a Laplace in value space centred on
+byte-plane coder of :mod:`compressors.exact.plane_coder`. ``laplace``: each value under a Laplace in value space centred on
 its prediction, 16 binary decisions per value. On the SmolLM2 defaults ``previous`` codes at 13.35 bits/element
 with ``planes`` (4 windows), encoding / decoding 35 / 43 MB of 16-bit KV per CPU-second (23 / 29 MB/s on the
 shared 2-core machine at load average 5.7, ``scripts/bench_compressors.py``), against 13.39 with ``laplace`` at

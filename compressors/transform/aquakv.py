@@ -22,7 +22,7 @@ SmolLM2-135M trace, pre-RoPE keys leave about half the open-loop residual energy
 1e-3), where X is built from calibration caches *already reconstructed by this codec* for the layers below (and
 this layer's keys for the values), so that the predictor is trained on the inputs it will see. The fit uses the
 stored (quantized) weights for those reconstructions, so calibration and coding agree exactly. Solved per layer in
-float64, one layer's system at a time (:func:`ridge_fit`).
+float64, one layer's system at a time (:func:`compressors.transform.aquakv_predict.ridge_fit`).
 
 **Residual quantizer**: TurboQuant_mse (arXiv 2504.19874, as in :class:`compressors.quantizers.turboquant.TurboQuant`, whose
 codebooks and bit split it reuses) at ``bits`` per element: a float16 norm per vector, a seeded random rotation
@@ -68,16 +68,15 @@ Measured on SmolLM2-135M (SOTU, 4 windows of 1024 tokens, 2,048 scored tokens, c
 ``bits=2`` stores 2.14 stream bits per element at ΔNLL +0.004 nats (95% CI [-0.003, +0.011]), where TurboQuant at
 ``bits=2`` stores 2.25 at +0.048 ([+0.029, +0.065]); the 8-bit predictors are 25.8 Mbit of codec state.
 
-Determinism: encoder and decoder evaluate the same float32 predictions (on one thread, :func:`one_thread`) from the
-same reconstructions, so decoding reproduces the encoder's reconstruction bit for bit on one machine. The decoder
-never re-quantizes, so a last-bit difference in a matmul elsewhere stays a last-bit difference instead of flipping
-codes.
+Determinism: encoder and decoder evaluate the same float32 predictions (on one thread,
+:func:`compressors.transform.aquakv_predict.one_thread`) from the same reconstructions, so decoding reproduces the
+encoder's reconstruction bit for bit on one machine. The decoder never re-quantizes, so a last-bit difference in a
+matmul elsewhere stays a last-bit difference instead of flipping codes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -86,11 +85,10 @@ import torch
 
 from compressors.predictive.delta_predictors import QuantizedWeights
 from compressors.quantizers.rotation import is_power_of_two, make_rotation
-from compressors.quantizers.scalar_codes import dequantize_packed, quantize
-from compressors.quantizers.sphere_codebook import codebook
-from compressors.quantizers.turboquant import split_bits
+from compressors.transform.aquakv_code import LayerReader, ScalarCode
+from compressors.transform.aquakv_predict import one_thread, predict, real_weights, ridge_fit
 from kvbench.coding.bitstream import Bitstream, BitstreamError
-from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_choice, check_range
 from kvbench.core.compressor import Compressor, Section
 from kvbench.core.kv import Context, KVSequence
@@ -117,133 +115,6 @@ def _heads_back(x: np.ndarray, H: int, D: int) -> torch.Tensor:
     """Inverse of :func:`_tokens_by_layer`: ``(L, T, H·D)`` -> ``(L, H, T, D)`` float32."""
     L, T, _ = x.shape
     return torch.from_numpy(x).view(L, T, H, D).permute(0, 2, 1, 3)
-
-
-def ridge_fit(X: np.ndarray, Y: np.ndarray, ridge: float) -> np.ndarray:
-    """``W`` ``(n_in + 1, n_out)`` float64 minimising ``||Y − [X, 1] W||² + λ||W||²``, ``λ = ridge · mean diag(G)``
-    with ``G = [X, 1]ᵀ[X, 1]``.
-
-    ``X`` ``(N, n_in)``, ``Y`` ``(N, n_out)``. Normal equations in float64, one system at a time (a batched solve
-    can spin forever on two cores, see :func:`compressors.predictive.delta_predictors._solve`), in torch (see
-    :func:`one_thread`); least squares where ``ridge=0`` leaves them singular.
-    """
-    Xa = torch.empty((X.shape[0], X.shape[1] + 1), dtype=torch.float64)
-    Xa[:, :-1] = torch.from_numpy(X)
-    Xa[:, -1] = 1.0  # the bias input
-    G = Xa.T @ Xa  # (n_in + 1, n_in + 1)
-    R = Xa.T @ torch.from_numpy(Y).double()  # (n_in + 1, n_out)
-    G.diagonal().add_(ridge * max(float(G.diagonal().mean()), 1e-12))
-    try:
-        return torch.linalg.solve(G, R).numpy()
-    except torch.linalg.LinAlgError:
-        return torch.linalg.lstsq(G, R, driver="gelsd").solution.numpy()
-
-
-def _real(q: QuantizedWeights) -> torch.Tensor:
-    """The real weights ``w · 2**-shift`` as the decoder uses them, float32 ``(..., n_in + 1, n_out)``."""
-    return torch.ldexp(q.w.double(), -q.shift.double().unsqueeze(-2)).float()
-
-
-def _predict(W: torch.Tensor, *inputs: np.ndarray) -> np.ndarray:
-    """``[x_1, ..., x_k, 1] · W`` for inputs ``(T, n_i)`` and ``W`` ``(sum n_i + 1, n_out)``: ``(T, n_out)`` float32."""
-    out = None
-    row = 0
-    for x in inputs:  # one matmul per input block: no concatenated copy of the inputs
-        w = W[row : row + x.shape[1]]
-        out = torch.addmm(W[-1], torch.from_numpy(x), w) if out is None else out.addmm_(torch.from_numpy(x), w)
-        row += x.shape[1]
-    return out.numpy()
-
-
-@contextmanager
-def one_thread():
-    """Run torch on one thread inside the block (restored after).
-
-    The codec's loop over layers is a chain of small dependent matmuls (T x H·D by H·D x H·D). On a shared 2-core
-    machine each of torch's parallel regions waits for its second thread to be scheduled: under a load average of
-    10, one (1024 x 192) @ (192 x 192) product took 31 ms on two threads and 3.3 ms on one. numpy's own BLAS has
-    a thread pool too (14 ms under the same load), so the matmuls stay in torch and torch stays on one thread.
-    """
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-class ScalarCode:
-    """TurboQuant_mse's code for rotated vectors of length ``d`` at ``bits`` per coordinate: a float16 norm per
-    vector and the Lloyd-Max code of the unit vector's coordinates under their law on the sphere. Fractional
-    ``bits`` split the coordinates into two groups (:func:`compressors.quantizers.turboquant.split_bits`)."""
-
-    def __init__(self, d: int, bits: float) -> None:
-        self.d = d
-        self.groups: list[tuple[int, int, int, np.ndarray, torch.Tensor]] = []  # start, stop, bits, centroids, thresholds
-        start = 0
-        for n, b in split_bits(bits, d):
-            cb = codebook(d, b)
-            self.groups.append((start, start + n, b, cb.centroids.astype(np.float32),
-                                torch.tensor(cb.thresholds, dtype=torch.float32)))
-            start += n
-
-    def code_bytes(self, n: int) -> list[tuple[int, int]]:
-        """``[(bits, bytes)]`` of each group's packed codes for ``n`` vectors."""
-        return [(b, -(-n * (stop - start) * b // 8)) for start, stop, b, _, _ in self.groups]
-
-    def quantize(self, z: np.ndarray, what: str) -> tuple[bytes, list[tuple[int, bytes]], np.ndarray]:
-        """Rotated rows ``z`` ``(n, d)`` float32 -> float16 norms, packed codes per group ``[(bits, bytes)]`` and the
-        reconstruction ``(n, d)`` float32 (the decoder's arithmetic, so the two agree bit for bit)."""
-        norm = np.sqrt(np.einsum("ij,ij->i", z, z))  # (n,)
-        with np.errstate(over="ignore"):  # an overflow is reported below
-            stored = norm.astype(np.float16)
-        if not np.isfinite(stored).all():
-            if not np.isfinite(norm).all():
-                raise ValueError(f"aquakv: the {what} residual has non-finite values (inf or nan); nothing to quantize")
-            raise ValueError(f"aquakv: a {what} residual norm exceeds the float16 maximum 65504")
-        inv = np.divide(1.0, norm, out=np.zeros_like(norm), where=norm > 0)  # a zero vector stays zero
-        u = z * inv[:, None]  # (n, d) unit vectors
-        rec = np.empty_like(z)
-        codes = []
-        for start, stop, b, centroids, thresholds in self.groups:
-            q = quantize(torch.from_numpy(u[:, start:stop]), thresholds).numpy()  # (n, width) uint8
-            codes.append((b, pack_codes(q, b)[0]))
-            rec[:, start:stop] = np.take(centroids, q)
-        rec *= stored.astype(np.float32)[:, None]
-        return stored.tobytes(), codes, rec
-
-    def dequantize(self, norms: bytes, codes: list[bytes], n: int) -> np.ndarray:
-        """Inverse of :meth:`quantize`: ``(n, d)`` float32."""
-        rec = np.empty((n, self.d), dtype=np.float32)
-        for (start, stop, b, centroids, _), raw in zip(self.groups, codes):
-            width = stop - start
-            rec[:, start:stop] = dequantize_packed(raw, b, n * width, torch.from_numpy(centroids)).numpy().reshape(n, width)
-        rec *= np.frombuffer(norms, dtype="<f2").astype(np.float32)[:, None]
-        return rec
-
-
-class _Reader:
-    """Consecutive per-layer slices of the stream's concatenated sections."""
-
-    def __init__(self, sec: Mapping[str, bytes]) -> None:
-        self.sec, self.pos = sec, dict.fromkeys(sec, 0)
-
-    def take(self, name: str, n: int) -> bytes:
-        if name not in self.sec:
-            raise BitstreamError(f"aquakv bitstream has no section {name!r} (written with other settings?)")
-        start = self.pos[name]
-        if start + n > len(self.sec[name]):
-            raise BitstreamError(f"aquakv bitstream section {name!r} is too short for this cache shape")
-        self.pos[name] = start + n
-        return self.sec[name][start : start + n]
-
-    def finish(self) -> None:
-        left = [name for name, pos in self.pos.items() if pos != len(self.sec[name])]
-        if left:
-            raise BitstreamError(f"aquakv bitstream sections {left} are longer than this cache shape needs")
 
 
 @dataclass
@@ -349,13 +220,13 @@ class AquaKV(Compressor):
         n = T * H * D // d  # vectors per layer and kind
         hats = {"k": np.empty((L, T, H * D), dtype=np.float32), "v": np.empty((L, T, H * D), dtype=np.float32)}
         parts: dict[str, list[bytes]] = {}
-        reader = _Reader(sec) if sec is not None else None
+        reader = LayerReader(sec) if sec is not None else None
         for layer in range(L):
             code = self._code(d, layer)
             for i, kind in enumerate(KINDS):  # K first: the value predictor reads this layer's K̂
                 mu = None
                 if layer and self.predicts:
-                    mu = _predict(weights[kind][layer - 1], *self._inputs(kind, layer, hats["k"], hats["v"]))  # (T, H·D)
+                    mu = predict(weights[kind][layer - 1], *self._inputs(kind, layer, hats["k"], hats["v"]))  # (T, H·D)
                 if reader is not None:
                     norms = reader.take(f"{kind}.norm", 2 * n)
                     codes = [reader.take(f"{kind}.codes{b}", size) for b, size in code.code_bytes(n)]
@@ -380,7 +251,7 @@ class AquaKV(Compressor):
         """Energy of the predicted layers' targets and of their residuals (the prediction gain), summed."""
         for key, x in ((f"{kind}.target_energy", target), (f"{kind}.residual_energy", res)):
             flat = x.reshape(-1)
-            self._stats[key] = self._stats.get(key, 0.0) + float(np.einsum("i,i->", flat, flat))  # not BLAS: see _predict
+            self._stats[key] = self._stats.get(key, 0.0) + float(np.einsum("i,i->", flat, flat))  # not BLAS: see predict
 
     def stats(self) -> dict[str, float]:
         """Summed over the sequences encoded: the energy (sum of squares, pre-RoPE for keys) of the predicted
@@ -437,8 +308,8 @@ class AquaKV(Compressor):
                     Y = np.concatenate([t[layer] for t in true[kind]])  # (N, H·D)
                     q = QuantizedWeights.from_real(torch.from_numpy(ridge_fit(X, Y, self.ridge)), self.weight_bits)
                     fitted[kind].append(q)
-                    W = _real(q)  # the stored weights, as the decoder will use them
-                    mus = [_predict(W, *x) for x in inputs]
+                    W = real_weights(q)  # the stored weights, as the decoder will use them
+                    mus = [predict(W, *x) for x in inputs]
                 for target, hat, mu in zip(true[kind], hats[kind], mus):
                     res = target[layer] if mu is None else target[layer] - mu
                     rec = code.quantize(res.reshape(-1, d), kind)[2].reshape(res.shape)
@@ -477,7 +348,7 @@ class AquaKV(Compressor):
                 what = f"aquakv state section {kind}.weights (scope={self.scope}, {n_layers} layers of {width} channels)"
                 sec = self._state[f"{kind}.weights"]
                 raw = sec if isinstance(sec, bytes) else sec[0]
-                parsed[kind] = _real(QuantizedWeights.from_bytes(raw, shape, self.weight_bits, what))
+                parsed[kind] = real_weights(QuantizedWeights.from_bytes(raw, shape, self.weight_bits, what))
             self._weights, self._weights_shape = parsed, (n_layers, width)
         return self._weights
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from kvbench.report.collect import Collection
-from kvbench.report.sections import ruler_rows, ruler_study
+from kvbench.report.sections.ruler_section import ruler_rows, ruler_study
 
 
 def _evals() -> pd.DataFrame:

@@ -1,0 +1,45 @@
+"""Which runs a study section shows.
+
+Each study section shows the cells of its presets in ``configs/experiment/``: the runs whose ``cell_key`` is one of
+theirs, in the presets' order, so a section finds exactly what its driver in ``scripts/`` ran, under any results root
+(cells run with extra overrides, e.g. a shorter window, are found with the same overrides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pandas as pd
+
+from kvbench.core.config import available
+from kvbench.report.collect import Collection
+from kvbench.sweep.presets import Preset, cells, fitting
+
+
+def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] = ()) -> Collection:
+    """The rows of ``got`` that are runs of the presets' cells (each run with ``overrides`` added), in the
+    presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing.
+    Unless the overrides name a model, a preset's cells run on any packaged model (``model=NAME``, as the drivers
+    take it) are its cells too."""
+    where: dict[tuple[str, str], tuple[int, str]] = {}
+    frames = (got.table, got.evals, got.latency, got.restore)
+    models = sorted({str(m) for f in frames if "model" in f for m in f["model"].dropna()} & set(available("model")))
+    variants = [list(overrides)]
+    if not any(o.startswith("model=") for o in overrides):
+        variants += [[*overrides, f"model={m}"] for m in models]
+    for preset in presets:  # a preset the overrides do not apply to has no cells here
+        for extra in variants:
+            for cell in cells([preset], fitting(preset.kind, extra), unfit=lambda *_: None):
+                where.setdefault((cell.kind, cell.key), (len(where), preset.name))
+
+    def pick_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+        if df.empty or "cell_key" not in df:
+            return df.iloc[0:0]
+        found = [where.get((kind, k)) for k in df["cell_key"]]
+        keep = [f is not None for f in found]
+        out = df[keep].assign(_cell=[f[0] for f in found if f], preset=[f[1] for f in found if f])
+        return out.sort_values("_cell", kind="stable").drop(columns="_cell").reset_index(drop=True)
+
+    return replace(got, table=pick_rows(got.table, "run"), evals=pick_rows(got.evals, "eval"),
+                   latency=pick_rows(got.latency, "latency"), restore=pick_rows(got.restore, "restore"))

@@ -85,7 +85,7 @@ import torch
 
 from compressors.predictive.delta_predictors import QuantizedWeights
 from compressors.quantizers.rotation import is_power_of_two, make_rotation
-from compressors.transform.aquakv_code import LayerReader, ScalarCode
+from compressors.transform.aquakv_code import LayerReader, ScalarCode, code_layer, reconstruction
 from compressors.transform.aquakv_predict import one_thread, predict, real_weights, ridge_fit
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
@@ -115,6 +115,11 @@ def _heads_back(x: np.ndarray, H: int, D: int) -> torch.Tensor:
     """Inverse of :func:`_tokens_by_layer`: ``(L, T, H·D)`` -> ``(L, H, T, D)`` float32."""
     L, T, _ = x.shape
     return torch.from_numpy(x).view(L, T, H, D).permute(0, 2, 1, 3)
+
+
+def _empty_hats(L: int, T: int, width: int) -> dict[str, np.ndarray]:
+    """Room for the reconstructions of K and V, ``(L, T, H·D)`` float32 each, filled layer by layer."""
+    return {kind: np.empty((L, T, width), dtype=np.float32) for kind in KINDS}
 
 
 @dataclass
@@ -209,43 +214,55 @@ class AquaKV(Compressor):
             return [k_hat[layer], v_hat[layer - 1]]
         return [v_hat[layer - 1]]
 
-    def _run(self, shape: tuple[int, int, int, int], weights: Mapping[str, torch.Tensor] | None,
-             true: tuple[np.ndarray, np.ndarray] | None = None, sec: Mapping[str, bytes] | None = None,
-             ) -> tuple[dict[str, Section], np.ndarray, np.ndarray]:
-        """The loop over layers that encoder and decoder share, in the rotated basis. Encoding, ``true`` holds the
-        rotated caches ``K, V`` ``(L, T, H·D)``; decoding, ``sec`` holds the stream's sections. Returns the sections
-        written (encoding) and the rotated reconstructions ``K̂, V̂`` ``(L, T, H·D)`` float32."""
+    def _prediction(self, weights: Mapping[str, torch.Tensor] | None, kind: str, layer: int,
+                    hats: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        """``kind``'s prediction at ``layer`` from the reconstructions so far, ``(T, H·D)``; None where nothing is
+        predicted (layer 0, ``scope=none``)."""
+        if not layer or not self.predicts:
+            return None
+        return predict(weights[kind][layer - 1], *self._inputs(kind, layer, hats["k"], hats["v"]))
+
+    def _encode_layers(self, k: np.ndarray, v: np.ndarray, shape: tuple[int, int, int, int],
+                       weights: Mapping[str, torch.Tensor] | None) -> tuple[dict[str, Section], np.ndarray, np.ndarray]:
+        """The encoder's closed loop over the rotated caches ``K, V`` ``(L, T, H·D)``: layer by layer, K then V, the
+        residual from the prediction quantized and reconstructed as the decoder will. Returns the sections written
+        and the rotated reconstructions ``K̂, V̂`` ``(L, T, H·D)`` float32."""
+        L, H, T, D = shape
+        d = self._vector_len(H, D)
+        hats = _empty_hats(L, T, H * D)
+        parts: dict[str, list[bytes]] = {}
+        for layer in range(L):
+            code = self._code(d, layer)
+            for kind, true in (("k", k), ("v", v)):  # K first: the value predictor reads this layer's K̂
+                mu = self._prediction(weights, kind, layer, hats)  # (T, H·D) or None
+                res, norms, codes, hat = code_layer(code, true[layer], mu, kind)
+                hats[kind][layer] = hat
+                if mu is not None:
+                    self._count(kind, true[layer], res)
+                parts.setdefault(f"{kind}.norm", []).append(norms)
+                for b, raw in codes:
+                    parts.setdefault(f"{kind}.codes{b}", []).append(raw)
+        # each layer's codes fill whole bytes (a pad of at most 7 bits per layer, charged with the rest)
+        return {name: b"".join(chunks) for name, chunks in parts.items()}, hats["k"], hats["v"]
+
+    def _decode_layers(self, sec: Mapping[str, bytes], shape: tuple[int, int, int, int],
+                       weights: Mapping[str, torch.Tensor] | None) -> tuple[np.ndarray, np.ndarray]:
+        """The decoder's loop over layers, in the encoder's order (layer by layer, K then V): the prediction from the
+        reconstructions so far plus the residual read from ``sec``. Returns ``K̂, V̂`` ``(L, T, H·D)`` float32."""
         L, H, T, D = shape
         d = self._vector_len(H, D)
         n = T * H * D // d  # vectors per layer and kind
-        hats = {"k": np.empty((L, T, H * D), dtype=np.float32), "v": np.empty((L, T, H * D), dtype=np.float32)}
-        parts: dict[str, list[bytes]] = {}
-        reader = LayerReader(sec) if sec is not None else None
+        hats = _empty_hats(L, T, H * D)
+        reader = LayerReader(sec)
         for layer in range(L):
             code = self._code(d, layer)
-            for i, kind in enumerate(KINDS):  # K first: the value predictor reads this layer's K̂
-                mu = None
-                if layer and self.predicts:
-                    mu = predict(weights[kind][layer - 1], *self._inputs(kind, layer, hats["k"], hats["v"]))  # (T, H·D)
-                if reader is not None:
-                    norms = reader.take(f"{kind}.norm", 2 * n)
-                    codes = [reader.take(f"{kind}.codes{b}", size) for b, size in code.code_bytes(n)]
-                    rec = code.dequantize(norms, codes, n)  # (n, d)
-                else:
-                    target = true[i][layer]  # (T, H·D)
-                    res = target if mu is None else target - mu
-                    if mu is not None:
-                        self._count(kind, target, res)
-                    norms, codes, rec = code.quantize(res.reshape(n, d), kind)
-                    parts.setdefault(f"{kind}.norm", []).append(norms)
-                    for b, raw in codes:
-                        parts.setdefault(f"{kind}.codes{b}", []).append(raw)
-                rec = rec.reshape(T, H * D)
-                hats[kind][layer] = rec if mu is None else mu + rec
-        if reader is not None:
-            reader.finish()
-        # each layer's codes fill whole bytes (a pad of at most 7 bits per layer, charged with the rest)
-        return {name: b"".join(chunks) for name, chunks in parts.items()}, hats["k"], hats["v"]
+            for kind in KINDS:  # K first: the value predictor reads this layer's K̂
+                mu = self._prediction(weights, kind, layer, hats)  # (T, H·D) or None
+                norms = reader.take(f"{kind}.norm", 2 * n)
+                codes = [reader.take(f"{kind}.codes{b}", size) for b, size in code.code_bytes(n)]
+                hats[kind][layer] = reconstruction(mu, code.dequantize(norms, codes, n).reshape(T, H * D))
+        reader.finish()
+        return hats["k"], hats["v"]
 
     def _count(self, kind: str, target: np.ndarray, res: np.ndarray) -> None:
         """Energy of the predicted layers' targets and of their residuals (the prediction gain), summed."""
@@ -311,9 +328,7 @@ class AquaKV(Compressor):
                     W = real_weights(q)  # the stored weights, as the decoder will use them
                     mus = [predict(W, *x) for x in inputs]
                 for target, hat, mu in zip(true[kind], hats[kind], mus):
-                    res = target[layer] if mu is None else target[layer] - mu
-                    rec = code.quantize(res.reshape(-1, d), kind)[2].reshape(res.shape)
-                    hat[layer] = rec if mu is None else mu + rec
+                    hat[layer] = code_layer(code, target[layer], mu, kind)[3]
         self._state = {f"{kind}.weights": QuantizedWeights(torch.stack([q.w for q in fitted[kind]]),
                                                            torch.stack([q.shift for q in fitted[kind]]),
                                                            self.weight_bits).to_bytes() for kind in KINDS}
@@ -374,7 +389,7 @@ class AquaKV(Compressor):
         d = self._vector_len(H, D)
         k = self._rotate(_tokens_by_layer(rope.undo(coded.k, start) if rope else coded.k), d)  # (L, T', H·D)
         v = self._rotate(_tokens_by_layer(coded.v), d)  # (L, T', H·D)
-        written, k_hat, v_hat = self._run(coded.shape, weights, true=(k, v))
+        written, k_hat, v_hat = self._encode_layers(k, v, coded.shape, weights)
         sections.update(written)
         bs = Bitstream.pack(self.name, sections)
         if not reconstruct:
@@ -405,7 +420,7 @@ class AquaKV(Compressor):
             sinks.append(tensor_from_bytes(raw, ctx.dtype, (L, H, n_sink, D)))
         rope = self._rope(ctx.config, "the decoder's context") if self.pre_rope else None
         coded = {name: raw for name, raw in sec.items() if not name.endswith(".sinks")}
-        _, k_hat, v_hat = self._run((L, H, T - n_sink, D), self._parse(L, H * D), sec=coded)
+        k_hat, v_hat = self._decode_layers(coded, (L, H, T - n_sink, D), self._parse(L, H * D))
         return self._assemble(*sinks, k_hat, v_hat, ctx, rope, ctx.start + n_sink)
 
     def _assemble(self, k_sink: torch.Tensor, v_sink: torch.Tensor, k_hat: np.ndarray, v_hat: np.ndarray, ctx: Context,

@@ -1,6 +1,7 @@
 """AQUA-KV's residual code (arXiv 2501.19392, with TurboQuant_mse in place of HIGGS): the scalar code of rotated
-vectors that every layer's residual goes through, and the per-layer slices of the stream it writes. The method is
-described in :mod:`compressors.transform.aquakv`."""
+vectors that every layer's residual goes through, the closed-loop step that codes one layer's residual and
+reconstructs it as the decoder will, and the per-layer slices of the stream. The method is described in
+:mod:`compressors.transform.aquakv`."""
 
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ class ScalarCode:
             rec[:, start:stop] = dequantize_packed(raw, b, n * width, torch.from_numpy(centroids)).numpy().reshape(n, width)
         rec *= np.frombuffer(norms, dtype="<f2").astype(np.float32)[:, None]
         return rec
+
+
+def reconstruction(mu: np.ndarray | None, rec: np.ndarray) -> np.ndarray:
+    """A layer's reconstruction from its prediction (None: nothing predicted) and its decoded residual."""
+    return rec if mu is None else mu + rec
+
+
+def code_layer(code: ScalarCode, target: np.ndarray, mu: np.ndarray | None,
+               kind: str) -> tuple[np.ndarray, bytes, list[tuple[int, bytes]], np.ndarray]:
+    """The closed-loop step of one layer and kind: the residual of ``target`` ``(T, H·D)`` from the prediction
+    ``mu`` (None: none), quantized. Returns the residual, its norms and codes, and the reconstruction the decoder
+    will compute from them."""
+    res = target if mu is None else target - mu
+    norms, codes, rec = code.quantize(res.reshape(-1, code.d), kind)
+    return res, norms, codes, reconstruction(mu, rec.reshape(res.shape))
 
 
 class LayerReader:

@@ -48,9 +48,9 @@ def test_bigbench_formatting_follows_the_json_task_conventions():
     task = {"task_prefix": "Yes or no? ", "example_input_prefix": "\n\nQ: ", "example_output_prefix": " \nA: ",
             "append_choices_to_input": False}
     row = data.format_bigbench(task, {"input": "Is it?", "target_scores": {"yes": 0, "no": 1}})
-    assert row == {"context": "Yes or no? \n\nQ: Is it? \nA:", "choices": ["yes", "no"], "label": 1}
+    assert row == {"context": "Yes or no? \n\nQ: Is it?", "query": " \nA:", "choices": ["yes", "no"], "label": 1}
     listed = data.format_bigbench({}, {"input": "Pick", "target_scores": {"a": 1, "b": 0}})
-    assert listed["context"] == "Q: Pick\n  choice: a\n  choice: b\nA:"
+    assert listed["context"] == "Q: Pick" and listed["query"] == "\n  choice: a\n  choice: b\nA:"
     assert data.format_bigbench({}, {"input": "Tie", "target_scores": {"a": 1, "b": 1}}) is None
 
 
@@ -65,9 +65,9 @@ def test_passkey_and_lastword_data(monkeypatch, tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["depth"] for r in rows] == [0.1, 0.9, 0.1, 0.9]
     for r in rows:
-        assert abs(r["n_tokens"] - 600) <= 4 and r["context"].endswith("The pass key is")
+        assert abs(r["n_tokens"] - 600) <= 4 and r["query"] == data.PASSKEY_QUESTION and r["query"].endswith("The pass key is")
         needle = data.PASSKEY_NEEDLE.format(key=r["passkey"]).strip()
-        hay = len(r["context"]) - len(data.PASSKEY_INTRO) - len(needle) - len(data.PASSKEY_QUESTION)
+        hay = len(r["context"]) - len(data.PASSKEY_INTRO) - len(needle)
         at = (r["context"].index(needle) - len(data.PASSKEY_INTRO)) / hay  # depth within the haystack
         assert abs(at - r["depth"]) < 0.03
     assert data.passkey_data(tok, 600, [0.1, 0.9], 2, seed=0) == path  # cached by its parameters
@@ -90,6 +90,28 @@ def test_identity_reproduces_the_baseline_request_by_request(handle):
     gen = Instance("generate_until", {}, ("once upon a time", {"until": ["\n"], "max_gen_toks": 6}), 3)
     text = lm.generate_until([gen])
     assert lm.replay().generate_until([gen]) == text
+
+
+@pytest.mark.parametrize("protocol", ["context_only", "query_aware"])
+def test_the_compressed_segment_holds_exactly_the_context(handle, protocol, monkeypatch):
+    lm = CompressedKVLM(handle, KIVI(bits=2, group_size=16), protocol=protocol, residual=0, progress=False)
+    doc = {"context": "The cat sat on the mat. The dog sat on the rug. " * 3, "query": "\nWhere did the cat sit? On the"}
+    text = doc["context"] + doc["query"]
+    seen = []
+    caches = lm.caches
+    monkeypatch.setattr(lm, "caches", lambda p: seen.append((p, *caches(p))) or seen[-1][1:])
+    req = Instance("generate_until", doc, (text, {"until": ["\x00"], "max_gen_toks": 5}), 0, metadata=("toy", 7, 1))
+    lm.generate_until([req])
+    ((prompt, comp, base),) = seen
+    ids = handle.tokenizer(text).input_ids
+    n_ctx = len(doc["context"]) if protocol == "context_only" else len(ids) - 1  # one token per byte
+    assert prompt.context == ids[:n_ctx] and prompt.context + prompt.query == ids
+    # after generating: one segment, the context's tokens from position 0; query and answer never coded
+    assert [(s.start, s.length) for s in comp.segments] == [(0, n_ctx)] and comp.tokens[:n_ctx] == prompt.context
+    assert comp.window_tokens == len(ids) - n_ctx + lm.accounting["generated_tokens"] - 1
+    assert not base.segments and lm.shapes[("toy", 7)] == (n_ctx, len(ids) - n_ctx)
+    with pytest.raises(ValueError, match="cache.mode=chunked"):
+        CompressedKVLM(handle, KIVI(), mode="chunked")
 
 
 def test_kivi_scores_differ_from_the_baseline(handle):

@@ -54,9 +54,12 @@ def test_every_family_is_deterministic_of_the_asked_length_and_holds_its_answers
     rows = _rows(path)
     assert [r["id"] for r in rows] == [0, 1, 2] and len({r["context"] for r in rows}) == 3
     for r in rows:
-        n = len(tokenizer(r["context"]).input_ids)
+        n = len(tokenizer(r["context"] + r["query"]).input_ids)
         assert n == r["n_tokens"] and LENGTH - 8 <= n <= LENGTH  # within a few tokens, never over
-        assert r["answers"] and r["length"] == LENGTH
+        assert r["answers"] and r["length"] == LENGTH and r["family"] == family
+        # the query asks and starts the answer; the material it asks about is all in the context
+        assert r["query"].startswith("\n") and r["query"].endswith((" is", " are", ":"))  # ends in the answer prefix
+        assert not any(a in r["query"] for a in r["answers"])
         task = r["context"].rsplit("\n\n", 1)[-1]  # the asked task, after the worked example
         for a in r["answers"]:
             assert a in task, f"{a!r} is not in the context of {family}"
@@ -66,12 +69,12 @@ def test_every_family_is_deterministic_of_the_asked_length_and_holds_its_answers
 def test_needles_sit_at_their_depths_and_chains_in_order(home, tokenizer):
     (r, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_niah_multivalue", 4096, 1, seed=0))
     task = r["context"].rsplit("\n\n", 1)[-1]
-    at = sorted(task.index(f"for {r['query'][0]} is: {v}.") / len(task) for v in r["answers"])
+    at = sorted(task.index(f"for {r['asked'][0]} is: {v}.") / len(task) for v in r["answers"])
     assert np.allclose(at, sorted(r["depths"]), atol=0.08)
     (vt, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_vt", 4096, 1, seed=0))
     task = vt["context"].rsplit("\n\n", 1)[-1]
     first, *rest = vt["answers"]
-    assert f"VAR {first} = {vt['query'][0]}." in task
+    assert f"VAR {first} = {vt['asked'][0]}." in task
     pos = [task.index(f"VAR {b} = VAR {a}.") for a, b in zip(vt["answers"], rest)]
     assert pos == sorted(pos)  # each variable is bound before it is read
 
@@ -125,8 +128,8 @@ def test_a_length_too_short_for_the_prompt_says_so(home, tokenizer):
 
 
 @pytest.mark.parametrize(("damage", "message"), [
-    (lambda p: p.write_text('{"context": "x", "answers": ["1"], "length": 256}\n{"context": "y", oops\n'), "line 2: not JSON"),
-    (lambda p: p.write_text('{"context": "x", "length": 256}\n'), r"line 1: missing field\(s\) \['answers'\]"),
+    (lambda p: p.write_text('{"context": "x", "query": "?", "answers": ["1"], "length": 256}\n{"context": "y", oops\n'), "line 2: not JSON"),
+    (lambda p: p.write_text('{"context": "x", "query": "?", "length": 256}\n'), r"line 1: missing field\(s\) \['answers'\]"),
     (lambda p: p.write_text("[1, 2]\n"), "must be a JSON object"),
     (lambda p: p.write_text(""), "is empty"),
 ], ids=["bad-json", "missing-field", "not-an-object", "empty"])
@@ -167,6 +170,8 @@ def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, mon
                             "limit": None, "bootstrap_iters": 0, "cache": {"residual": 0, "chunk": 128, "mode": "auto"}})
     summary, out = evaluate(cfg, Identity(), handle, progress=False, specs=[spec])
     t = summary["tasks"]["ruler_toy_64"]
+    assert summary["protocol"] == "context_only"  # the default, where the config does not name one
+    assert t["query_tokens_mean"] == 1 and t["context_tokens_mean"] == np.mean([len(r["context"]) - 1 for r in rows])
     assert t["metric"] == ruler.METRIC and t["n"] == 3 and t["identical"] and t["identical_responses"] == 3
     assert t["lm_eval_base"][f"{ruler.METRIC},none"] == pytest.approx(t["acc_base"])
     assert [r["length"] for r in out] == [64] * 3

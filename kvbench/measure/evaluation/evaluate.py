@@ -1,14 +1,22 @@
-"""Task accuracy with a compressed cache, paired against the 16-bit baseline on identical examples."""
+"""Task accuracy with a compressed cache, paired against the 16-bit baseline on identical examples.
+
+:func:`evaluate` runs in named steps: :func:`build_lm` (fit the compressor, wrap the model), :func:`run_passes` (the
+compressed pass through lm-eval, then the baseline's answers replayed through it), :func:`pair_task` (per task, the
+paired scores and their statistics) and :func:`summarise`. The protocol (``protocol=context_only``, the default, or
+``query_aware``) decides what is compressed: see :mod:`kvbench.measure.evaluation.lm`.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
@@ -33,83 +41,125 @@ def primary(spec: dict) -> tuple[str, str]:
     return PRIMARY_RULER if spec["task"].startswith(ruler.PREFIX) else PRIMARY[spec["output_type"]]
 
 
+def protocol_of(cfg: Any) -> str:
+    """``cfg.protocol``; configs written before it existed ran ``context_only``'s default."""
+    got = OmegaConf.select(cfg, "protocol", default=None) if OmegaConf.is_config(cfg) else getattr(cfg, "protocol", None)
+    return str(got or "context_only")
+
+
 def _quiet_lm_eval() -> None:
     for name in ("lm_eval", "lm-eval"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None, progress: bool = True,
-             specs: list[dict] | None = None) -> tuple[dict, list[dict]]:
-    """Run every task with ``compressor`` and with the baseline; return ``(summary, rows)`` (one row per example).
+def build_lm(cfg: Any, compressor: Compressor, handle: ModelHandle, progress: bool = True) -> tuple[CompressedKVLM, float]:
+    """The compressor fitted on the run trace's calibration windows (if it fits) and the lm-eval model that runs
+    it; returns ``(lm, fit seconds)``."""
+    torch.manual_seed(int(cfg.seed))
+    config = handle.model.config if compressor.needs_config else None
+    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
+    lm = CompressedKVLM(handle, compressor, protocol=protocol_of(cfg), residual=cfg.cache.residual,
+                        chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode), dtype=cache_dtype(cfg.dtype), progress=progress)
+    return lm, fit_s
 
-    ``specs`` replaces the tasks named in ``cfg.tasks`` with ready lm-eval task configs.
-    """
+
+@dataclass
+class Passes:
+    """lm-eval's results of the compressed pass and of the baseline's replayed answers, on the same requests."""
+
+    comp: dict
+    base: dict
+    eval_s: float  # the compressed pass's wall time, baseline scoring included (prefills are shared)
+
+
+def run_passes(lm: CompressedKVLM, specs: list[dict], cfg: Any) -> Passes:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     _quiet_lm_eval()
-    handle = handle or ModelHandle(cfg.model, cfg.device)
-    torch.manual_seed(int(cfg.seed))
-    config = handle.model.config if compressor.needs_config else None
-    fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
-    specs = specs if specs is not None else task_specs(list(cfg.tasks), cfg, handle.tokenizer)
-    lm = CompressedKVLM(handle, compressor, residual=cfg.cache.residual, chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode),
-                        dtype=cache_dtype(cfg.dtype), progress=progress)
-    limit = None if cfg.limit is None else int(cfg.limit)
-    common = {"tasks": specs, "limit": limit, "log_samples": True, "bootstrap_iters": int(cfg.bootstrap_iters),
-              "random_seed": int(cfg.seed), "numpy_random_seed": int(cfg.seed), "torch_random_seed": int(cfg.seed),
-              "fewshot_random_seed": int(cfg.seed)}
+    seed = int(cfg.seed)
+    common = {"tasks": specs, "limit": None if cfg.limit is None else int(cfg.limit), "log_samples": True,
+              "bootstrap_iters": int(cfg.bootstrap_iters), "random_seed": seed, "numpy_random_seed": seed,
+              "torch_random_seed": seed, "fewshot_random_seed": seed}
     t0 = time.perf_counter()
     comp = simple_evaluate(model=lm, task_manager=TaskManager(include_defaults=False), **common)
     eval_s = time.perf_counter() - t0
     base = simple_evaluate(model=lm.replay(), task_manager=TaskManager(include_defaults=False), **common)
+    return Passes(comp, base, eval_s)
 
-    rows, per_task = [], {}
-    for spec in specs:
-        name = spec["task"]
-        metric, filt = primary(spec)
-        b_samples = {s["doc_id"]: s for s in base["samples"][name] if s["filter"] == filt}
-        c_samples = {s["doc_id"]: s for s in comp["samples"][name] if s["filter"] == filt}
-        ids = sorted(b_samples)
-        if sorted(c_samples) != ids:
-            raise RuntimeError(f"task {name}: the baseline and compressed passes saw different examples")
-        b = np.array([float(b_samples[i][metric]) for i in ids])
-        c = np.array([float(c_samples[i][metric]) for i in ids])
-        key = f"{metric},{filt}"
-        same = sum(b_samples[i]["filtered_resps"] == c_samples[i]["filtered_resps"] for i in ids)
-        # a multiple-choice example is right by chance one time in its number of choices; generated answers never
-        chance = float(np.mean([1 / max(len(b_samples[i]["resps"]), 1) for i in ids])) if spec["output_type"] == "multiple_choice" and ids else 0.0
-        per_task[name] = {
-            "metric": metric,
-            **paired_binary(b, c),
-            "chance": chance,
-            "near_chance": bool(ids) and float(b.mean()) < chance + NEAR_CHANCE_MARGIN,
-            # raw responses (log-likelihoods, generated text) equal to the baseline's, not only the metric
-            "identical_responses": int(same),
-            "lm_eval_base": {key: base["results"][name].get(key), "stderr": base["results"][name].get(f"{metric}_stderr,{filt}")},
-            "lm_eval_comp": {key: comp["results"][name].get(key), "stderr": comp["results"][name].get(f"{metric}_stderr,{filt}")},
-        }
-        for i, bi, ci in zip(ids, b, c):
-            doc = b_samples[i]["doc"]
-            rows.append({"task": name, "doc_id": int(i), "metric": metric, "base": float(bi), "comp": float(ci),
-                         "length": doc.get("length"), "depth": doc.get("depth"),
-                         "resp_base": str(b_samples[i]["filtered_resps"]), "resp_comp": str(c_samples[i]["filtered_resps"])})
 
+def chance(spec: dict, docs: list[dict], b_samples: list[dict]) -> float:
+    """The score of content-free answerers on these examples: one multiple-choice answer in its number of
+    choices; a random five-digit passkey one time in 90,000."""
+    if not docs:
+        return 0.0
+    if spec["output_type"] == "multiple_choice":
+        return float(np.mean([1 / max(len(s["resps"]), 1) for s in b_samples]))
+    if spec["task"].startswith("passkey"):
+        return 1 / 90000
+    return 0.0
+
+
+def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, list[dict]]:
+    """One task's paired statistics and its rows (one per example), read from both passes' logged samples."""
+    name = spec["task"]
+    metric, filt = primary(spec)
+    b_samples = {s["doc_id"]: s for s in passes.base["samples"][name] if s["filter"] == filt}
+    c_samples = {s["doc_id"]: s for s in passes.comp["samples"][name] if s["filter"] == filt}
+    ids = sorted(b_samples)
+    if sorted(c_samples) != ids:
+        raise RuntimeError(f"task {name}: the baseline and compressed passes saw different examples")
+    b = np.array([float(b_samples[i][metric]) for i in ids])
+    c = np.array([float(c_samples[i][metric]) for i in ids])
+    key = f"{metric},{filt}"
+    shapes = [lm.shapes.get((name, i), (math.nan, math.nan)) for i in ids]
+    floor = chance(spec, [b_samples[i]["doc"] for i in ids], [b_samples[i] for i in ids])
+    stats = {
+        "metric": metric,
+        **paired_binary(b, c),
+        "chance": floor,
+        "near_chance": bool(ids) and float(b.mean()) < floor + NEAR_CHANCE_MARGIN,
+        # raw responses (log-likelihoods, generated text) equal to the baseline's, not only the metric
+        "identical_responses": int(sum(b_samples[i]["filtered_resps"] == c_samples[i]["filtered_resps"] for i in ids)),
+        # tokens compressed, and fed on top 16-bit (the question and answer prefix under context_only)
+        "context_tokens_mean": float(np.mean([s[0] for s in shapes])) if ids else math.nan,
+        "query_tokens_mean": float(np.mean([s[1] for s in shapes])) if ids else math.nan,
+        "lm_eval_base": {key: passes.base["results"][name].get(key), "stderr": passes.base["results"][name].get(f"{metric}_stderr,{filt}")},
+        "lm_eval_comp": {key: passes.comp["results"][name].get(key), "stderr": passes.comp["results"][name].get(f"{metric}_stderr,{filt}")},
+    }
+    rows = []
+    for i, bi, ci, (n_ctx, n_q) in zip(ids, b, c, shapes):
+        doc = b_samples[i]["doc"]
+        rows.append({"task": name, "doc_id": int(i), "metric": metric, "base": float(bi), "comp": float(ci),
+                     "length": doc.get("length"), "depth": doc.get("depth"), "context_tokens": n_ctx, "query_tokens": n_q,
+                     "resp_base": str(b_samples[i]["filtered_resps"]), "resp_comp": str(c_samples[i]["filtered_resps"])})
+    return stats, rows
+
+
+def pooled(per_task: dict, rows: list[dict]) -> dict:
+    """The pooled comparisons: over every example, and over the tasks whose 16-bit accuracy is clear of chance
+    (a task the model cannot do cannot lose)."""
+    side = lambda rs, k: np.array([r[k] for r in rs])  # noqa: E731
+    clear = [r for r in rows if not per_task[r["task"]]["near_chance"]]
+    return {"overall": paired_binary(side(rows, "base"), side(rows, "comp")),
+            "near_chance_tasks": sorted(t for t, v in per_task.items() if v["near_chance"]),
+            "overall_informative": paired_binary(side(clear, "base"), side(clear, "comp"))}
+
+
+def summarise(cfg: Any, compressor: Compressor, lm: CompressedKVLM, per_task: dict, rows: list[dict], fit_s: float,
+              eval_s: float) -> dict:
     acc = lm.accounting
     elements = acc["compressed_tokens"] * lm.kv_elements_per_token
-    summary = {
+    return {
         "compressor": compressor.name,
         "model": cfg.model.name,
         "kind": "eval",
+        "protocol": lm.protocol,
         "tasks": per_task,
-        "overall": paired_binary(np.array([r["base"] for r in rows]), np.array([r["comp"] for r in rows])),
-        # pooled over the tasks whose 16-bit accuracy is clear of chance: a task the model cannot do cannot lose
-        "near_chance_tasks": sorted(t for t, v in per_task.items() if v["near_chance"]),
-        "overall_informative": paired_binary(*(np.array([r[side] for r in rows if not per_task[r["task"]]["near_chance"]])
-                                               for side in ("base", "comp"))),
-        "limit": limit,
+        **pooled(per_task, rows),
+        "limit": None if cfg.limit is None else int(cfg.limit),
         "n_examples": len(rows),
-        "cache": {"residual": cfg.cache.residual, "chunk": int(cfg.cache.chunk), "mode": str(cfg.cache.mode), "dtype": cfg.dtype},
+        "cache": {"residual": cfg.cache.residual, "chunk": int(cfg.cache.chunk), "mode": lm.cache_kw["mode"], "dtype": cfg.dtype},
         "contexts_compressed": int(acc["contexts"]),
         "compressed_tokens": int(acc["compressed_tokens"]),
         "window_tokens": int(acc["window_tokens"]),
@@ -123,24 +173,41 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
         "generated_tokens": int(acc["generated_tokens"]),
         "compressor_params": compressor.describe(),
         # as the cache runs it: a compressor's own `residual` window is handed to the cache (see kvbench.cache.compressed)
-        "cache_compressor_params": lm._cache(compressor).compressor.describe(),
+        "cache_compressor_params": lm.cache_compressor.describe(),
         "dtype": cfg.dtype,
         "device": cfg.device,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return summary, rows
+
+
+def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None, progress: bool = True,
+             specs: list[dict] | None = None) -> tuple[dict, list[dict]]:
+    """Run every task with ``compressor`` and with the baseline; return ``(summary, rows)`` (one row per example).
+
+    ``specs`` replaces the tasks named in ``cfg.tasks`` with ready lm-eval task configs.
+    """
+    handle = handle or ModelHandle(cfg.model, cfg.device)
+    lm, fit_s = build_lm(cfg, compressor, handle, progress)
+    specs = specs if specs is not None else task_specs(list(cfg.tasks), cfg, handle.tokenizer)
+    passes = run_passes(lm, specs, cfg)
+    per_task, rows = {}, []
+    for spec in specs:
+        per_task[spec["task"]], task_rows = pair_task(spec, passes, lm)
+        rows += task_rows
+    return summarise(cfg, compressor, lm, per_task, rows, fit_s, passes.eval_s), rows
 
 
 def format_eval(s: dict) -> str:
     """Per-task table for the terminal."""
     lines = [f"  {s['compressor']} vs 16-bit baseline on {s['model']}  ({s['n_examples']} examples, limit {s['limit']}/task, "
-             f"{s['bits_per_element']:.3f} bits/element held for {s['compressed_fraction']:.0%} of context tokens)",
+             f"{s.get('protocol', 'query_aware')}, {s['bits_per_element']:.3f} bits/element held for "
+             f"{s['compressed_fraction']:.0%} of context tokens)",
              f"  {'task':<16} {'n':>4}  {'baseline':>14}  {'compressed':>14}  {'diff [95% CI]':>24}  {'McNemar p':>9}"]
-    pooled = [("all", s["overall"])]
+    pooled_rows = [("all", s["overall"])]
     if s.get("near_chance_tasks"):
-        pooled.append(("clear of chance", s.get("overall_informative", {})))
-    for name, t in [*s["tasks"].items(), *pooled]:
+        pooled_rows.append(("clear of chance", s.get("overall_informative", {})))
+    for name, t in [*s["tasks"].items(), *pooled_rows]:
         if not t.get("n"):
             continue
         name = f"{name} (near chance)" if t.get("near_chance") else name

@@ -1,23 +1,35 @@
-"""lm-eval model classes that read the prefix through a compressed cache.
+"""lm-eval model classes that read the prompt's context through a compressed cache.
 
 lm-eval's ``HFLM`` scores context and continuation in one forward pass and never reads a cache, so it cannot see a
-compressor. :class:`CompressedKVLM` instead, for each request,
+compressor. :class:`CompressedKVLM` instead splits each prompt into a **context** and a **query**
+(:meth:`CompressedKVLM.prompt`) and, for each request,
 
-1. prefills the context (all but its last token) once, with a plain cache;
-2. loads that KV into a :class:`~kvbench.cache.compressed.CompressedCache` (the compressor codes it; the bytes are all that
-   is kept) and, on identical terms, into the uncompressed 16-bit baseline cache;
-3. ``loglikelihood``: feeds the context's last token and the continuation on top of each cache, so every scored
-   token attends to the reconstructed prefix; ``generate_until``: greedy ``model.generate`` with each cache.
+1. prefills the context once, with a plain 16-bit cache;
+2. loads that KV into a :class:`~kvbench.cache.compressed.CompressedCache` (the compressor codes it; the bytes are
+   all that is kept) and, on identical terms, into the uncompressed 16-bit baseline cache;
+3. feeds the query on top of each cache, uncompressed, then ``loglikelihood``: scores the continuation after it;
+   ``generate_until``: generates greedily, every new token held 16-bit too.
 
-The prefill is shared, so the baseline costs only the scoring passes. The compressed results go back to lm-eval;
-the baseline's are kept for :class:`ReplayLM`, which hands them to a second lm-eval pass over the same requests,
-so both sets of metrics come from lm-eval's own metric code on identical examples.
+Two protocols decide where the split falls:
+
+* ``context_only`` (the default; the protocol of kvpress and of the papers it reproduces, SnapKV, KVzip, expected
+  attention): the context is the document the question is about, the query is the question and the answer prefix
+  (a task row's ``query`` field). The compressor never sees the question: an eviction method's observation window
+  is the context's tail, a quantizer leaves the question 16-bit. The cache codes the context once and holds
+  everything after it 16-bit (``mode="once"``), as kvpress applies its press during the context's prefill only.
+  A task without a separable question (``query`` absent) has only its prompt's last token as the query.
+* ``query_aware`` (the earlier behaviour): everything but the prompt's last token is compressed, question included.
+
+The prefill is shared, so the baseline costs only the query and scoring passes. The compressed results go back to
+lm-eval; the baseline's are kept for :class:`ReplayLM`, which hands them to a second lm-eval pass over the same
+requests, so both sets of metrics come from lm-eval's own metric code on identical examples.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +39,18 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from kvbench.cache.compressed import CompressedCache
+from kvbench.core.checks import check_choice
 from kvbench.core.compressor import Compressor
+
+PROTOCOLS = ("context_only", "query_aware")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids: ``context`` is compressed, ``query`` (never empty) is fed on top of it, 16-bit."""
+
+    context: list[int]
+    query: list[int]
 
 
 def _gen_key(context: str, gen_kwargs: dict) -> tuple:
@@ -69,13 +92,18 @@ class _TokenBar(BaseStreamer):
 
 
 class CompressedKVLM(LM):
-    """Scores requests with ``compressor`` and with the 16-bit baseline, sharing each prefill."""
+    """Scores requests with ``compressor`` and with the 16-bit baseline, sharing each context's prefill."""
 
-    def __init__(self, handle: Any, compressor: Compressor, *, residual: int | None = 0, chunk: int = 128,
-                 mode: str = "auto", dtype: torch.dtype = torch.float16, progress: bool = True) -> None:
+    def __init__(self, handle: Any, compressor: Compressor, *, protocol: str = "context_only", residual: int | None = 0,
+                 chunk: int = 128, mode: str = "auto", dtype: torch.dtype = torch.float16, progress: bool = True) -> None:
         super().__init__()
-        self.handle, self.compressor = handle, compressor
-        self.cache_kw = {"residual": residual, "chunk": chunk, "mode": mode, "dtype": dtype}
+        check_choice("eval", "protocol", protocol, PROTOCOLS)
+        if protocol == "context_only" and mode == "chunked":
+            raise ValueError("protocol=context_only codes the context once and holds the query and the answer 16-bit; "
+                             "cache.mode=chunked would code them too: use cache.mode=auto or once, or protocol=query_aware")
+        self.handle, self.compressor, self.protocol = handle, compressor, protocol
+        self.cache_kw = {"residual": residual, "chunk": chunk, "mode": "once" if protocol == "context_only" else mode,
+                         "dtype": dtype}
         self.progress = progress
         self.model, self.tok = handle.model, handle.tokenizer
         self._device = next(self.model.parameters()).device
@@ -86,34 +114,55 @@ class CompressedKVLM(LM):
         self.eos = self.tok.eos_token_id
         self.baseline: dict[tuple, Any] = {}
         self.accounting = defaultdict(float)
+        #: (task name, doc id) -> (context tokens, query tokens) of the requests seen
+        self.shapes: dict[tuple[str | None, int | None], tuple[int, int]] = {}
 
-    # ------------------------------------------------------------------ helpers
+    @property
+    def cache_compressor(self) -> Compressor:
+        """The compressor as the cache runs it (a compressor's own ``residual`` window is handed to the cache)."""
+        return self.cache(self.compressor).compressor
+
+    # ------------------------------------------------------------------ the steps of one request
     def _enc(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids
 
-    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """As lm-eval's HFLM: trailing spaces of the context move to the continuation; split on the joint tokens."""
-        n = len(context) - len(context.rstrip())
-        if n:
-            context, continuation = context[:-n], context[-n:] + continuation
-        ctx = self._enc(context) or [self.eos]
-        whole = self._enc(context + continuation)
-        cont = whole[len(ctx):] if whole[: len(ctx)] == ctx else self._enc(continuation)
-        return ctx, cont
+    def prompt(self, text: str, doc: Any = None, room: int = 0) -> Prompt:
+        """``text`` split into context and query by the protocol, the context cut from the left so that the whole
+        prompt and ``room`` more tokens fit the model.
 
-    def _cache(self, compressor: Compressor | None) -> CompressedCache:
+        Under ``context_only`` a ``doc`` with a ``query`` that ``text`` ends with is split there: the tokens of the
+        whole text after the context's own tokens are the query (the query's own tokens, where the tokenizer merges
+        across the boundary). Otherwise the last token is the query.
+        """
+        query = doc.get("query") if self.protocol == "context_only" and isinstance(doc, dict) else None
+        q = str(query or "").rstrip()
+        whole = self._enc(text) or [self.eos]
+        if q and text.rstrip().endswith(q) and len(text.rstrip()) > len(q):
+            head = text.rstrip()[: -len(q)]
+            ctx = self._enc(head)
+            ids = whole[len(ctx):] if whole[: len(ctx)] == ctx else self._enc(text[len(head):])
+        else:
+            ctx, ids = whole[:-1], whole[-1:]
+        keep = self.max_length - room - len(ids)
+        if keep < 0:
+            raise ValueError(f"the query ({len(ids)} tokens) and {room} more do not fit the model's {self.max_length}")
+        return Prompt(ctx[len(ctx) - keep:] if len(ctx) > keep else ctx, ids)
+
+    def cache(self, compressor: Compressor | None) -> CompressedCache:
+        """An empty cache of this evaluation (``None``: the 16-bit baseline, same arithmetic)."""
         # accuracy depends on the decoded values only: each segment is decoded once from its bytes, not per token
         return CompressedCache(compressor, model=self.handle, hold="decoded", **self.cache_kw)
 
     @torch.no_grad()
-    def _prefill(self, ids: list[int]) -> DynamicCache:
-        cache = DynamicCache()  # full layers only: sliding-window layers keep every token, as in capture
-        if ids:
-            self.model(torch.tensor([ids], device=self._device), cache=cache, use_cache=True, logits_to_keep=1)
-        return cache
+    def caches(self, prompt: Prompt) -> tuple[CompressedCache, CompressedCache]:
+        """The context prefilled once in 16 bits, loaded into the compressed cache and into the baseline's."""
+        prefill = DynamicCache()  # full layers only: sliding-window layers keep every token, as in capture
+        if prompt.context:
+            self.model(torch.tensor([prompt.context], device=self._device), cache=prefill, use_cache=True, logits_to_keep=1)
+        return self._load(self.compressor, prefill, prompt.context), self._load(None, prefill, prompt.context)
 
     def _load(self, compressor: Compressor | None, prefill: DynamicCache, ids: list[int]) -> CompressedCache:
-        cache = self._cache(compressor)
+        cache = self.cache(compressor)
         if ids:
             cache.load(prefill, torch.tensor(ids))
         if compressor is not None:
@@ -127,64 +176,21 @@ class CompressedKVLM(LM):
         return cache
 
     @torch.no_grad()
-    def _score(self, cache: CompressedCache, last: int, cont: list[int]) -> tuple[float, bool]:
+    def score(self, cache: CompressedCache, query: list[int], cont: list[int]) -> tuple[float, bool]:
+        """``(log-likelihood of cont, greedy)`` with ``query + cont[:-1]`` fed on a copy of ``cache``."""
         c = cache.clone()
         before = c.stats()["decode_s"]
-        inp = torch.tensor([[last, *cont[:-1]]], device=self._device)
-        logits = self.model(inp, cache=c, use_cache=True).logits[0].float()  # (n, V)
+        inp = torch.tensor([[*query, *cont[:-1]]], device=self._device)
+        logits = self.model(inp, cache=c, use_cache=True, logits_to_keep=len(cont)).logits[0].float()  # (n, V)
         if cache.compressor is not None:
             self.accounting["decode_s"] += c.stats()["decode_s"] - before
         target = torch.tensor(cont, device=self._device)
         logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
         return float(logp.sum()), bool((logits.argmax(-1) == target).all())
 
-    def _truncate(self, ctx: list[int], room: int) -> list[int]:
-        keep = self.max_length - room
-        return ctx[-keep:] if len(ctx) > keep else ctx
-
-    # ------------------------------------------------------------------ lm-eval API
-    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        groups: dict[tuple[int, ...], list[tuple[int, tuple, list[int]]]] = defaultdict(list)
-        for i, req in enumerate(requests):
-            context, continuation = req.args
-            ctx, cont = self._encode_pair(context, continuation)
-            if not cont:
-                raise ValueError(f"empty continuation after tokenization for request {req.args!r}")
-            groups[tuple(self._truncate(ctx, len(cont)))].append((i, req.args, cont))
-        out: list[Any] = [None] * len(requests)
-        for ctx, items in (_bar(groups.items(), desc="loglikelihood") if self.progress else groups.items()):
-            prefix, last = list(ctx[:-1]), ctx[-1]
-            prefill = self._prefill(prefix)
-            comp, base = self._load(self.compressor, prefill, prefix), self._load(None, prefill, prefix)
-            del prefill
-            for i, args, cont in items:
-                out[i] = self._score(comp, last, cont)
-                self.baseline[("ll", *args)] = self._score(base, last, cont)
-        return out
-
-    def loglikelihood_rolling(self, requests) -> list[float]:
-        raise NotImplementedError("kvbench tasks score continuations of a cached prefix; rolling perplexity is `python -m kvbench run`")
-
-    @torch.no_grad()
-    def generate_until(self, requests) -> list[str]:
-        out = []
-        for req in (_bar(requests, desc="generate_until") if self.progress else requests):
-            context, gen_kwargs = req.args
-            gen_kwargs = dict(gen_kwargs or {})
-            until = gen_kwargs.get("until") or [self.tok.decode([self.eos])]
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.get("max_gen_toks", 256))
-            ctx = self._truncate(self._enc(context) or [self.eos], max_new)
-            prefill = self._prefill(ctx[:-1])
-            texts = []
-            for compressor in (self.compressor, None):
-                cache = self._load(compressor, prefill, ctx[:-1])
-                texts.append(self._generate(cache, ctx, max_new, until, "compressed" if compressor is not None else "baseline"))
-            out.append(texts[0])
-            self.baseline[_gen_key(context, req.args[1])] = texts[1]
-        return out
-
-    def _generate(self, cache: CompressedCache, ctx: list[int], max_new: int, until: list[str], desc: str = "generate") -> str:
+    def generate(self, cache: CompressedCache, prompt: Prompt, max_new: int, until: list[str], desc: str = "generate") -> str:
+        """Greedy text after ``prompt`` on ``cache`` (which holds its context), cut at the first stop string."""
+        ctx = [*prompt.context, *prompt.query]
         ids = torch.tensor([ctx], device=self._device)
         before = cache.stats()["decode_s"]
         gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=max_new,
@@ -199,6 +205,57 @@ class CompressedKVLM(LM):
             if stop:
                 text = text.split(stop)[0]
         return text
+
+    def _note(self, req: Any, prompt: Prompt) -> None:
+        self.shapes[(getattr(req, "task_name", None), getattr(req, "doc_id", None))] = (len(prompt.context), len(prompt.query))
+
+    # ------------------------------------------------------------------ lm-eval API
+    def _encode_pair(self, context: str, continuation: str) -> tuple[str, list[int]]:
+        """As lm-eval's HFLM: trailing spaces of the context move to the continuation, whose tokens are those of
+        the joint text after the context's; returns the context text and the continuation's tokens."""
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        ctx = self._enc(context) or [self.eos]
+        whole = self._enc(context + continuation)
+        return context, whole[len(ctx):] if whole[: len(ctx)] == ctx else self._enc(continuation)
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, tuple, list[int]]]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            context, cont = self._encode_pair(*req.args)
+            if not cont:
+                raise ValueError(f"empty continuation after tokenization for request {req.args!r}")
+            p = self.prompt(context, getattr(req, "doc", None), room=len(cont))
+            groups[(tuple(p.context), tuple(p.query))].append((i, req.args, cont))  # one prefill per prompt
+            self._note(req, p)
+        out: list[Any] = [None] * len(requests)
+        for (ctx, query), items in (_bar(groups.items(), desc="loglikelihood") if self.progress else groups.items()):
+            p = Prompt(list(ctx), list(query))
+            comp, base = self.caches(p)
+            for i, args, cont in items:
+                out[i] = self.score(comp, p.query, cont)
+                self.baseline[("ll", *args)] = self.score(base, p.query, cont)
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        raise NotImplementedError("kvbench tasks score continuations of a cached prefix; rolling perplexity is `python -m kvbench run`")
+
+    @torch.no_grad()
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in (_bar(requests, desc="generate_until") if self.progress else requests):
+            context, gen_kwargs = req.args
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.get("until") or [self.tok.decode([self.eos])]
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", 256))
+            p = self.prompt(context, getattr(req, "doc", None), room=max_new)
+            self._note(req, p)
+            comp, base = self.caches(p)
+            out.append(self.generate(comp, p, max_new, until, "compressed"))
+            self.baseline[_gen_key(context, req.args[1])] = self.generate(base, p, max_new, until, "baseline")
+        return out
 
     def replay(self) -> ReplayLM:
         """The baseline's answers to the requests seen so far, as an lm-eval model."""

@@ -18,7 +18,9 @@ Families (task names ``ruler_<family>``; one lm-eval task per length, ``ruler_<f
 
 Every prompt follows RULER: instructions, then (as RULER's VT, CWE and FWE do, here for every family) one short
 worked example with its answer, then the task with the answer prefix already written, so the model only has to
-continue it. Lengths are in model tokens, measured with the tokenizer: the prompt is the longest one, grown a
+continue it. A row holds the prompt in two parts: ``context`` (instructions, worked example, haystack: what the
+context-only protocol compresses) and ``query`` (the question and the answer prefix, fed on top uncompressed).
+Lengths are in model tokens, measured with the tokenizer: the prompt (context and query) is the longest one, grown a
 haystack word (or a list entry) at a time, that fits the target. Scoring is RULER's ``string_match_all``: the
 fraction of expected values found, case-insensitively, in the generation.
 """
@@ -85,10 +87,34 @@ Count = Callable[[str], int]
 
 
 @dataclass(frozen=True)
+class Parts:
+    """A prompt in three parts: what is compressed, and the two parts asked after it."""
+
+    context: str  # instructions, worked example and haystack
+    question: str
+    answer_prefix: str  # the answer's start, already written: the model continues it
+
+
+def render(parts: Parts) -> tuple[str, str]:
+    """``(context, query)`` texts of a prompt: the query is the question and the answer prefix."""
+    return parts.context, parts.question + parts.answer_prefix
+
+
+def _solved(parts: Parts, answer: str) -> str:
+    """A worked example: the whole prompt answered, as the text that opens a task's context."""
+    return parts.context + parts.question + parts.answer_prefix + " " + answer + "\n\n"
+
+
+def _after(shot: str, parts: Parts) -> Parts:
+    return Parts(shot + parts.context, parts.question, parts.answer_prefix)
+
+
+@dataclass(frozen=True)
 class Example:
-    context: str  # the whole prompt, answer prefix included
+    context: str  # compressed under the context-only protocol
+    query: str  # the question and the answer prefix, fed on top of the context uncompressed
     answers: list[str]
-    extra: dict  # what to record besides (needle depths, query)
+    extra: dict  # what to record besides (needle depths, the keys or value asked)
 
 
 class Maker(Protocol):
@@ -97,30 +123,32 @@ class Maker(Protocol):
     def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example: ...
 
 
-def _fit(render: Callable[[int], str], count: Count, target: int, upper: int, what: str) -> tuple[str, int]:
-    """The prompt ``render(n)`` with the largest ``n <= upper`` that fits in ``target`` tokens, and its length.
+def _fit(render_n: Callable[[int], Parts], count: Count, target: int, upper: int, what: str) -> tuple[str, str, int]:
+    """The prompt ``render_n(n)`` with the largest ``n <= upper`` that fits in ``target`` tokens, as ``(context,
+    query, length)``.
 
     Token counts grow with ``n`` (one more haystack word or list entry), so a bisection finds it.
     """
-    lo_text = render(0)
-    lo_len = count(lo_text)
-    if lo_len > target:
-        raise ValueError(f"{what}: the instructions, worked example and needles alone take {lo_len} tokens, more "
-                         f"than the {target}-token length asked for; choose a ruler.lengths entry above {lo_len}")
-    hi_text = render(upper)
-    if count(hi_text) <= target:
+    def measure(n: int) -> tuple[str, str, int]:
+        ctx, query = render(render_n(n))
+        return ctx, query, count(ctx + query)
+
+    lo_best = measure(0)
+    if lo_best[2] > target:
+        raise ValueError(f"{what}: the instructions, worked example and needles alone take {lo_best[2]} tokens, more "
+                         f"than the {target}-token length asked for; choose a ruler.lengths entry above {lo_best[2]}")
+    if measure(upper)[2] <= target:
         raise ValueError(f"{what}: {upper} units of filler do not reach {target} tokens; the filler text is too short "
                          f"for this length")
-    lo, hi = 0, upper  # count(render(lo)) <= target < count(render(hi))
+    lo, hi = 0, upper  # measure(lo) <= target < measure(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        text = render(mid)
-        n = count(text)
-        if n <= target:
-            lo, lo_text, lo_len = mid, text, n
+        got = measure(mid)
+        if got[2] <= target:
+            lo, lo_best = mid, got
         else:
             hi = mid
-    return lo_text, lo_len
+    return lo_best
 
 
 def _insert(words: list[str], needles: Sequence[str], depths: Sequence[float]) -> str:
@@ -197,8 +225,8 @@ def _join(items: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------- needle in a haystack
 _NIAH_INTRO = ("{some} special magic {noun} {be} hidden within the following text. Make sure to memorize {it}. "
                "I will quiz you about the {noun} afterwards.\n")
-_NIAH_QUESTION = ("\n{what} the special magic {noun} for {query} mentioned in the provided text? "
-                  "The special magic {noun} for {query} mentioned in the provided text {be}")
+_NIAH_QUESTION = "\n{what} the special magic {noun} for {query} mentioned in the provided text?"
+_NIAH_ANSWER = " The special magic {noun} for {query} mentioned in the provided text {be}"
 _NEEDLE = "One of the special magic {kind}s for {key} is: {value}."
 
 
@@ -212,13 +240,13 @@ class Niah:
     values: int = 1
     queries: int = 1
 
-    def _prompt(self, context: str, query: list[str]) -> str:
+    def _prompt(self, context: str, query: list[str]) -> Parts:
         many = self.values * self.queries > 1
         noun = f"{self.kind}s" if many else self.kind
         be = "are" if many else "is"
         intro = _NIAH_INTRO.format(some="Some" if many else "A", noun=noun, be=be, it="them" if many else "it")
-        return intro + context + _NIAH_QUESTION.format(what="What are all" if many else "What is", noun=noun,
-                                                       query=_join(query), be=be)
+        return Parts(intro + context, _NIAH_QUESTION.format(what="What are all" if many else "What is", noun=noun, query=_join(query)),
+                     _NIAH_ANSWER.format(noun=noun, query=_join(query), be=be))
 
     def _draw(self, rng: np.random.Generator, taken: set[str]) -> tuple[list[str], list[str], list[str]]:
         """Needles (shuffled), the keys asked and their values in asking order; keys and values not in ``taken``."""
@@ -233,20 +261,20 @@ class Niah:
         # the worked example: a few noise sentences around its own needles, answered in full
         taken: set[str] = set()
         shot_needles, shot_query, shot_answers = self._draw(rng, taken)
-        shot = self._prompt(_insert(_noise_words(len(NOISE.split())), shot_needles, np.linspace(0.25, 0.75, len(shot_needles))), shot_query)
-        shot += " " + _join(shot_answers) + ".\n\n"
+        shot = _solved(self._prompt(_insert(_noise_words(len(NOISE.split())), shot_needles, np.linspace(0.25, 0.75, len(shot_needles))),
+                                    shot_query), _join(shot_answers) + ".")
         needles, query, answers = self._draw(rng, taken)
         depths = rng.choice(DEPTHS, len(needles), replace=False)
         words = _noise_words(target) if self.haystack == "noise" else _essay_words(src.essays, target, rng)
-        text, n = _fit(lambda k: shot + self._prompt(_insert(words[:k], needles, depths), query), count, target, target, name)
-        return Example(text, answers, {"query": query, "depths": [float(d) for d in depths], "n_tokens": n})
+        ctx, q, n = _fit(lambda k: _after(shot, self._prompt(_insert(words[:k], needles, depths), query)), count, target, target, name)
+        return Example(ctx, q, answers, {"asked": query, "depths": [float(d) for d in depths], "n_tokens": n})
 
 
 # ---------------------------------------------------------------------------------------------- variable tracking
 _VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-_VT_QUESTION = ("\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: According "
-                "to the chain(s) of variable assignment in the text above, {n} variables are assigned the value {value}, "
-                "they are:")
+_VT_QUESTION = "\nQuestion: Find all variables that are assigned the value {value} in the text above."
+_VT_ANSWER = (" Answer: According to the chain(s) of variable assignment in the text above, {n} variables are assigned "
+              "the value {value}, they are:")
 
 
 @dataclass(frozen=True)
@@ -267,26 +295,27 @@ class VariableTracking:
         steps = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
         return steps, names, value
 
-    def _prompt(self, context: str, names: list[str], value: str) -> str:
-        return _VT_INTRO + context + _VT_QUESTION.format(value=value, n=len(names))
+    def _prompt(self, context: str, names: list[str], value: str) -> Parts:
+        return Parts(_VT_INTRO + context, _VT_QUESTION.format(value=value), _VT_ANSWER.format(value=value, n=len(names)))
 
     def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
         taken: set[str] = set()
         s_steps, s_names, s_value = self._chain(rng, taken)
-        shot = (self._prompt(_insert(_noise_words(2 * len(NOISE.split())), s_steps, np.linspace(0.1, 0.9, len(s_steps))), s_names, s_value)
-                + " " + " ".join(s_names) + "\n\n")
+        shot = _solved(self._prompt(_insert(_noise_words(2 * len(NOISE.split())), s_steps, np.linspace(0.1, 0.9, len(s_steps))),
+                                    s_names, s_value), " ".join(s_names))
         steps, names, value = self._chain(rng, taken)
         depths = np.sort(rng.choice(DEPTHS, len(steps), replace=False))  # in order: a variable is bound before it is read
         words = _noise_words(target)
-        text, n = _fit(lambda k: shot + self._prompt(_insert(words[:k], steps, depths), names, value), count, target, target, name)
-        return Example(text, names, {"query": [value], "depths": [float(d) for d in depths], "n_tokens": n})
+        ctx, q, n = _fit(lambda k: _after(shot, self._prompt(_insert(words[:k], steps, depths), names, value)), count, target,
+                         target, name)
+        return Example(ctx, q, names, {"asked": [value], "depths": [float(d) for d in depths], "n_tokens": n})
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
 _CWE_INTRO = ("Below is a numbered list of words. In these words, some appear more often than others. "
               "Memorize the ones that appear most often.\n")
-_CWE_QUESTION = ("\nQuestion: What are the {k} most common words in the above list? Answer: The top {k} words that "
-                 "appear most often in the list are:")
+_CWE_QUESTION = "\nQuestion: What are the {k} most common words in the above list?"
+_CWE_ANSWER = " Answer: The top {k} words that appear most often in the list are:"
 
 
 @dataclass(frozen=True)
@@ -298,8 +327,8 @@ class CommonWords:
     def _list(self, words: Sequence[str], order: np.ndarray) -> str:
         return " ".join(f"{i + 1}. {words[j]}" for i, j in enumerate(order))
 
-    def _prompt(self, listing: str) -> str:
-        return _CWE_INTRO + listing + _CWE_QUESTION.format(k=self.common)
+    def _prompt(self, listing: str) -> Parts:
+        return Parts(_CWE_INTRO + listing, _CWE_QUESTION.format(k=self.common), _CWE_ANSWER.format(k=self.common))
 
     def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
         # RULER's frequencies: (common, rare) = (6, 1) below 4,096 tokens, (30, 3) from 4,096 on; example (3, 1)
@@ -308,27 +337,27 @@ class CommonWords:
         picks = [pool[i] for i in rng.permutation(len(pool))]
         shot_common, shot_rare = picks[: self.common], picks[self.common : self.common + 10]
         shot_words = shot_common * 3 + shot_rare
-        shot = (self._prompt(self._list(shot_words, rng.permutation(len(shot_words))))
-                + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_common)) + "\n\n")
+        shot = _solved(self._prompt(self._list(shot_words, rng.permutation(len(shot_words)))),
+                       " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_common)))
         common, rare = picks[self.common + 10 : 2 * self.common + 10], picks[2 * self.common + 10 :]
         upper = min(len(rare), target // f_rare)
         if upper < 1:
             raise ValueError(f"{name}: the word pool has too few words ({len(pool)})")
         seed = int(rng.integers(2**32))
 
-        def render(k: int) -> str:
+        def with_rare(k: int) -> Parts:
             words = common * f_common + rare[:k] * f_rare
-            return shot + self._prompt(self._list(words, np.random.default_rng(seed).permutation(len(words))))
+            return _after(shot, self._prompt(self._list(words, np.random.default_rng(seed).permutation(len(words)))))
 
-        text, n = _fit(render, count, target, upper, name)
-        return Example(text, common, {"n_tokens": n})
+        ctx, q, n = _fit(with_rare, count, target, upper, name)
+        return Example(ctx, q, common, {"n_tokens": n})
 
 
 _FWE_INTRO = ("Read the following coded text and track the frequency of each coded word. Find the three most "
               "frequently appeared coded words. ")
 _FWE_QUESTION = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
-                 "frequently appeared words in the above coded text? Answer: According to the coded text above, the "
-                 "three most frequently appeared words are:")
+                 "frequently appeared words in the above coded text?")
+_FWE_ANSWER = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
 
 @dataclass(frozen=True)
@@ -355,14 +384,14 @@ class FrequentWords:
 
     def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
         shot_vocab = self._vocab(rng, 8)
-        shot = (_FWE_INTRO + self._stream(shot_vocab, 60, int(rng.integers(2**32))) + _FWE_QUESTION
-                + " " + " ".join(shot_vocab[1 : 1 + self.answers]) + "\n\n")
+        shot = _solved(Parts(_FWE_INTRO + self._stream(shot_vocab, 60, int(rng.integers(2**32))), _FWE_QUESTION, _FWE_ANSWER),
+                       " ".join(shot_vocab[1 : 1 + self.answers]))
         vocab = self._vocab(rng, max(target // 50, 2 * self.answers + 2))  # RULER's vocabulary size: length / 50
         seed = int(rng.integers(2**32))
         # enough words that the answers' counts differ from each other and from the rest
-        text, n = _fit(lambda k: shot + _FWE_INTRO + self._stream(vocab, 40 + k, seed) + _FWE_QUESTION,
-                       count, target, target, name)
-        return Example(text, vocab[1 : 1 + self.answers], {"n_tokens": n})
+        ctx, q, n = _fit(lambda k: Parts(shot + _FWE_INTRO + self._stream(vocab, 40 + k, seed), _FWE_QUESTION, _FWE_ANSWER),
+                         count, target, target, name)
+        return Example(ctx, q, vocab[1 : 1 + self.answers], {"n_tokens": n})
 
 
 # ---------------------------------------------------------------------------------------------- the families
@@ -383,7 +412,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family(f"{PREFIX}cwe", CommonWords(), 48),
     Family(f"{PREFIX}fwe", FrequentWords(), 24),
 ]}
-FIELDS = ("context", "answers", "length")  # what every row of a RULER data file must have
+FIELDS = ("context", "query", "answers", "length")  # what every row of a RULER data file must have
 
 
 def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int) -> Path:
@@ -393,7 +422,7 @@ def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int) -> P
         raise ValueError(f"unknown RULER task {family!r}; available: {list(FAMILIES)}")
     if n < 1 or length < 1:
         raise ValueError(f"{family}: need at least one example of a positive length; got n={n}, length={length}")
-    params = {"family": family, "length": length, "n": n, "seed": seed, "tok": data.tokenizer_id(tokenizer), "v": 1}
+    params = {"family": family, "length": length, "n": n, "seed": seed, "tok": data.tokenizer_id(tokenizer), "v": 2}
     out = data.keyed_path(f"{family}_{length}", params)
     if out.exists():
         return out
@@ -404,5 +433,6 @@ def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int) -> P
     rows = []
     for i in range(n):
         ex = make.example(rng, length, count, f"{family} at {length} tokens", src)
-        rows.append({"context": ex.context, "answers": ex.answers, "length": length, **ex.extra, "id": i})
+        rows.append({"context": ex.context, "query": ex.query, "answers": ex.answers, "length": length, "family": family,
+                     **ex.extra, "id": i})
     return data.write_jsonl(out, rows)

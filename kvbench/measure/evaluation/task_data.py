@@ -4,9 +4,13 @@
   ``bigbench`` sdist, formatted zero-shot as BIG-bench formats JSON tasks (task prefix, input and output prefixes,
   choices appended to the input where the task asks for it), a seeded sample of ``pool`` examples.
 * ``passkey``: a five-digit key hidden at a given depth of a State of the Union haystack of a given length in
-  tokens (the retrieval test of Mohtashami & Jaggi, arXiv 2305.16300), asked for at the end.
+  tokens (the retrieval test of Mohtashami & Jaggi, arXiv 2305.16300), asked for at the end (the ``query``).
 * ``sotu_lastword``: LAMBADA-style (Paperno et al., arXiv 1606.06031) last-word prediction on State of the Union
-  passages: the context is a passage up to a sentence's last word, the target is that word.
+  passages: the context is a passage up to a sentence's last word, the target is that word. Nothing is asked apart
+  from the passage, so it has no ``query``: both protocols compress all of it but its last token.
+
+Rows with a question apart from their material carry it as ``query`` (the task templates render
+``context + query``); the context-only protocol compresses the context alone and feeds the query on top.
 * ``ruler_*``: RULER-style synthetic tasks, built by :mod:`kvbench.measure.evaluation.ruler` with the helpers here.
 
 Files land under ``$KVBENCH_HOME/data/tasks`` keyed by their parameters (and the tokenizer, for the token-counted
@@ -83,9 +87,13 @@ def check_jsonl(path: Path, fields: tuple[str, ...], rebuild: str) -> Path:
 
 
 def format_bigbench(task: dict, example: dict) -> dict | None:
-    """One BIG-bench multiple-choice example as ``{context, choices, label}`` (None if it has no single answer).
+    """One BIG-bench multiple-choice example as ``{context, query, choices, label}`` (None if it has no single
+    answer).
 
-    The output prefix's trailing space moves to the choices (lm-eval joins context and choice with a space).
+    A JSON task's ``input`` mixes the material and the question in free text (a dialogue and its implied answer, a
+    claim and its evidence), so no boundary inside it separates them: the context is the task prefix and the input,
+    the query is what the format asks after it (the listed choices and the output prefix). The output prefix's
+    trailing space moves to the choices (lm-eval joins context and choice with a space).
     """
     fmt = {k: task.get(k, v) for k, v in _BB_DEFAULTS.items()}
     scores = example.get("target_scores")
@@ -95,18 +103,18 @@ def format_bigbench(task: dict, example: dict) -> dict | None:
     best = max(scores.values())
     if sum(1 for v in scores.values() if v == best) != 1:
         return None
-    text = fmt["task_prefix"] + fmt["example_input_prefix"] + example["input"]
-    if fmt["append_choices_to_input"]:
-        text += "".join(fmt["choice_prefix"] + c for c in choices)
-    text = (text + fmt["example_output_prefix"]).strip()
-    return {"context": text, "choices": choices, "label": choices.index(next(c for c in choices if scores[c] == best))}
+    context = (fmt["task_prefix"] + fmt["example_input_prefix"] + example["input"]).lstrip()
+    query = "".join(fmt["choice_prefix"] + c for c in choices) if fmt["append_choices_to_input"] else ""
+    query = (query + fmt["example_output_prefix"]).rstrip()
+    return {"context": context, "query": query, "choices": choices,
+            "label": choices.index(next(c for c in choices if scores[c] == best))}
 
 
 def bigbench_data(task: str, pool: int, seed: int) -> Path:
     """A seeded sample of ``pool`` formatted examples of a BIG-bench task."""
     if task not in BIGBENCH_TASKS:
         raise ValueError(f"unknown BIG-bench task {task!r}; available: {list(BIGBENCH_TASKS)}")
-    out = keyed_path(f"bigbench_{task}", {"task": task, "pool": pool, "seed": seed, "v": 1})
+    out = keyed_path(f"bigbench_{task}", {"task": task, "pool": pool, "seed": seed, "v": 2})
     if out.exists():
         return out
     spec = json.loads((ensure_bigbench() / task / "task.json").read_text(encoding="utf-8"))
@@ -132,7 +140,7 @@ def tokenizer_id(tokenizer: Any) -> str:
 
 def passkey_data(tokenizer: Any, length: int, depths: list[float], per_depth: int, seed: int) -> Path:
     """Passkey examples of ``length`` tokens in all: ``per_depth`` per depth, interleaved so a limit keeps every depth."""
-    params = {"length": length, "depths": list(depths), "per_depth": per_depth, "seed": seed, "tok": tokenizer_id(tokenizer), "v": 1}
+    params = {"length": length, "depths": list(depths), "per_depth": per_depth, "seed": seed, "tok": tokenizer_id(tokenizer), "v": 2}
     out = keyed_path(f"passkey_{length}", params)
     if out.exists():
         return out
@@ -146,10 +154,10 @@ def passkey_data(tokenizer: Any, length: int, depths: list[float], per_depth: in
             fixed = len(enc(PASSKEY_INTRO)) + len(enc(PASSKEY_NEEDLE.format(key=key))) + len(enc(PASSKEY_QUESTION))
             hay = _haystack(docs, enc, length - fixed, rng)
             cut = int(round(depth * len(hay)))
-            text = (PASSKEY_INTRO + tokenizer.decode(hay[:cut]).strip() + PASSKEY_NEEDLE.format(key=key)
-                    + tokenizer.decode(hay[cut:]).strip() + PASSKEY_QUESTION)
-            rows.append({"context": text, "passkey": str(key), "length": length, "depth": depth,
-                         "n_tokens": len(enc(text)), "id": len(rows)})
+            context = (PASSKEY_INTRO + tokenizer.decode(hay[:cut]).strip() + PASSKEY_NEEDLE.format(key=key)
+                       + tokenizer.decode(hay[cut:]).strip())
+            rows.append({"context": context, "query": PASSKEY_QUESTION, "passkey": str(key), "length": length,
+                         "depth": depth, "n_tokens": len(enc(context + PASSKEY_QUESTION)), "id": len(rows)})
     return write_jsonl(out, rows)
 
 

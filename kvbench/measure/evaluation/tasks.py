@@ -17,7 +17,7 @@ TASK_DEFS = Path(__file__).resolve().parent / "task_defs"
 RULER_GROUP = "ruler"  # every RULER family at every length
 TASKS = (*BIGBENCH_TASKS, "passkey", "sotu_lastword", RULER_GROUP, *ruler.FAMILIES)
 # the fields each data file's rows must have (checked before lm-eval reads the file)
-FIELDS = {"bigbench": ("context", "choices", "label"), "passkey": ("context", "passkey"),
+FIELDS = {"bigbench": ("context", "query", "choices", "label"), "passkey": ("context", "query", "passkey"),
           "sotu_lastword": ("context", "target"), "ruler": ruler.FIELDS}
 
 

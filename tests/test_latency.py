@@ -33,7 +33,8 @@ def latency_cfg(tmp_path, text_file, monkeypatch):
     def make(*overrides: str):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose("latency", overrides=["model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}",
-                                                      "latency.contexts=[48,96]", "latency.decode_tokens=5", *overrides])
+                                                      "latency.contexts=[48,96]", "latency.decode_tokens=5", "latency.rounds=2",
+                                                      *overrides])
         OmegaConf.set_struct(cfg, False)
         return cfg
 
@@ -44,7 +45,7 @@ def latency_cfg(tmp_path, text_file, monkeypatch):
 def own_handle(tokenizer):
     from conftest import tiny_llama
 
-    # a model of its own: the latency run casts it to the cache dtype
+    # a model of its own: the latency run casts it to its compute dtype
     return ModelHandle.from_loaded(tiny_llama(seed=5), tokenizer, OmegaConf.create({"name": "hf", "source": "hf", "path": "unused"}))
 
 
@@ -52,7 +53,10 @@ def test_identity_decodes_the_same_tokens_as_the_plain_cache(latency_cfg, own_ha
     summary, rows = measure_latency(latency_cfg("latency.residual=8", "latency.chunk=16"), Identity(), own_handle)
     assert [(r["context"], r["cache"]) for r in rows] == [(48, "dynamic"), (48, "compressed"), (96, "dynamic"), (96, "compressed")]
     assert all(r["tokens_match_dynamic"] == 1.0 for r in rows)
-    assert summary["model_dtype"] == "float16"
+    # the model computes in float32 on the CPU; every cache, the plain one too, holds the 16-bit cache dtype
+    assert summary["model_dtype"] == "float32" and summary["rounds"] == 2
+    assert {r["dtype"] for r in rows} == {"float16"}
+    assert all(r["rounds"] == 2 and len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s_iqr"] >= 0 for r in rows)
     comp = rows[-1]
     # 96 prompt + 5 fed tokens: coded down to 8..23 window tokens, the rest as identity bitstreams (16 bit + frame)
     assert comp["cache_compressed_tokens"] + comp["cache_window_tokens"] == 101

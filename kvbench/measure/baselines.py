@@ -14,7 +14,7 @@ calls it "similar to" KIVI (Liu et al., arXiv 2402.02750); as transformers 5.24 
 * every forward pass dequantizes the whole quantized history;
 * keys and values are both grouped per token: HQQ axis 1 takes ``q_group_size`` consecutive channels of one token
   and head (KIVI groups keys per channel over tokens); HQQ's optimizer fits each group's scale and zero point, which
-  are held in the compute dtype.
+  are held in the dtype it is handed KV in (the run's cache dtype: the latency run converts at its boundary).
 
 Bytes held are counted from the backend's own objects: every tensor reachable from each cache layer (packed codes,
 HQQ's ``scale`` and ``zero``, the 16-bit residual keys and values), each storage once.
@@ -90,11 +90,20 @@ class TransformersQuantized:
         check_range("latency.quantized_cache", "q_group_size", self.q_group_size, 1, 1 << 16, integer=True)
         check_range("latency.quantized_cache", "residual_length", self.residual_length, 0, 1 << 30, integer=True)
 
-    def make(self, config: Any) -> Any:
+    def make(self, config: Any, store: torch.dtype | None = None) -> Any:
+        """A new cache; ``store``: the dtype it is handed KV in (the run's cache dtype), whatever the model computes
+        in, so that its 16-bit residual, scales and zeros are held in that dtype like every other cache's KV."""
         from transformers import QuantizedCache
 
-        return QuantizedCache(backend="hqq", config=config, nbits=self.nbits, axis_key=1, axis_value=1,
-                              q_group_size=self.q_group_size, residual_length=self.residual_length)
+        class Stored(QuantizedCache):
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+                dt = key_states.dtype
+                k, v = super().update(key_states.to(store), value_states.to(store), layer_idx, *args, **kwargs)
+                return k.to(dt), v.to(dt)
+
+        cls = QuantizedCache if store is None else Stored
+        return cls(backend="hqq", config=config, nbits=self.nbits, axis_key=1, axis_value=1,
+                   q_group_size=self.q_group_size, residual_length=self.residual_length)
 
     def nbytes(self, cache: Any) -> int:
         return quantized_cache_nbytes(cache)
@@ -107,7 +116,7 @@ class TransformersQuantized:
             "note": "prefill quantized whole; decoded tokens kept in 16 bit until residual_length of them, then the "
                     "whole history re-quantized; keys and values grouped per token (HQQ axis 1), unlike KIVI's "
                     "per-channel keys; each pass dequantizes the whole history; scale and zero per group in the "
-                    "compute dtype",
+                    "cache dtype (handed its KV in it)",
             "nbits": self.nbits,
             "q_group_size": self.q_group_size,
             "residual_length": self.residual_length,
@@ -124,7 +133,7 @@ def _require_hqq() -> None:
 def transformers_quantized(settings: Any, compressor: Any, residual: int | None, config: Any) -> TransformersQuantized:
     """The HQQ ``QuantizedCache`` matched to the run: ``settings`` (``latency.quantized_cache``) fields left null take
     the compressor's ``bits`` (else 4), the head dimension (one group per token and head) and the compressed cache's
-    residual (``latency.residual``; null: the compressor's own ``residual`` field, else 0)."""
+    residual (``latency.residual``; null: the compressor's own recent window, else 0)."""
     _require_hqq()
     nbits = settings.get("nbits")
     if nbits is None:
@@ -142,8 +151,7 @@ def transformers_quantized(settings: Any, compressor: Any, residual: int | None,
                          "group holds channels of one token and head")
     length = settings.get("residual_length")
     if length is None:
-        own = getattr(compressor, "residual", None)
-        length = residual if residual is not None else (own if isinstance(own, int) else 0)
+        length = residual if residual is not None else compressor.recent_window()
     return TransformersQuantized(nbits=int(nbits), q_group_size=int(group), residual_length=int(length))
 
 

@@ -8,6 +8,13 @@ fills). Reported: prefill and compression seconds, per-token latency (median and
 holds afterwards, and peak resident memory during the run (:class:`~kvbench.core.timing.PeakRSS` on the CPU, CUDA's
 peak allocation on a GPU).
 
+Like for like: every cache holds its KV in the run's cache ``dtype`` (the plain ``DynamicCache`` too, through
+:class:`StoredLayer`), while the model computes in the device's fast dtype (``latency.model_dtype=auto``: float32 on
+a CPU, where half precision is emulated, the cache dtype on a GPU). After a warm-up round, each context runs
+``latency.rounds`` rounds; within a round the caches run in a seeded random order, so drift in the machine's load
+favours none. A row holds the median over rounds of each figure and ``tokens_per_s_iqr``, the interquartile range of
+tokens/s across rounds.
+
 ``latency.baselines`` adds caches other libraries ship (:mod:`kvbench.measure.baselines`, e.g. transformers'
 ``QuantizedCache`` with HQQ) as more rows of the same run: same text, contexts and loop, bytes counted from the
 backend's own tensors; their ratios are taken against the plain cache, and the compressed cache's against theirs.
@@ -25,8 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvbench.cache.compressed import CompressedCache
+from kvbench.cache.window_layer import assemble
 from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
 from kvbench.core.timing import PeakRSS
@@ -71,6 +80,63 @@ class Memory:
 def _sync(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+class StoredLayer(DynamicLayer):
+    """transformers' ``DynamicLayer`` holding its KV in a storage dtype, so that the plain cache of a latency run
+    holds what the compressed cache holds. Attention gets the stored tokens converted to the compute dtype and the new
+    tokens as the model computed them, as :class:`~kvbench.cache.compressed.CompressedCache` hands them over."""
+
+    def __init__(self, store: torch.dtype) -> None:
+        super().__init__()
+        self.store = store
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys = key_states.new_zeros((*key_states.shape[:-2], 0, key_states.shape[-1]), dtype=self.store)
+        self.values = value_states.new_zeros((*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=self.store)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.dtype == self.store:
+            return super().update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ks = assemble([self.keys, key_states], key_states.dtype)  # (1, H, T, D) in the compute dtype
+        vs = assemble([self.values, value_states], value_states.dtype)
+        self.keys = torch.cat([self.keys, key_states.to(self.store)], dim=-2)
+        self.values = torch.cat([self.values, value_states.to(self.store)], dim=-2)
+        return ks, vs
+
+
+def dynamic_cache(store: torch.dtype) -> DynamicCache:
+    """A ``DynamicCache`` whose layers hold ``store``."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = lambda: StoredLayer(store)
+    return cache
+
+
+def compute_dtype(model_dtype: str, cache_dtype_name: str, device: str) -> torch.dtype:
+    """``latency.model_dtype``: ``auto`` (float32 on a CPU, the cache dtype on a GPU), ``cache``, or a dtype name."""
+    if model_dtype == "auto":
+        return cache_dtype(cache_dtype_name) if device.startswith("cuda") else torch.float32
+    if model_dtype == "cache":
+        return cache_dtype(cache_dtype_name)
+    if model_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"latency.model_dtype={model_dtype!r} is not allowed; one of [auto, cache, float32, float16, "
+                         "bfloat16]")
+    return getattr(torch, model_dtype)
+
+
+def over_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the same cache's rounds: the median of every figure, the interquartile range of tokens/s and the
+    first round's tokens (greedy decoding gives the same tokens every round)."""
+    row = {k: float(np.median([r[k] for r in runs])) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+           for k, v in runs[0].items()}
+    tps = np.array([r["tokens_per_s"] for r in runs], dtype=float)
+    q25, q75 = np.percentile(tps, [25, 75])
+    return {**row, "tokens_per_s_iqr": float(q75 - q25), "tokens_per_s_rounds": tps.tolist(), "rounds": len(runs),
+            "tokens": runs[0]["tokens"]}
 
 
 def dynamic_nbytes(cache: Any) -> int:
@@ -136,31 +202,42 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     baselines = make_baselines(lat.get("baselines"), lat.get("quantized_cache"), compressor, lat.residual, model.config)
     config = model.config if compressor.needs_config else None
     fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
-    model_dtype = cache_dtype(cfg.dtype) if lat.model_dtype == "cache" else getattr(torch, str(lat.model_dtype))
-    model.to(model_dtype)
     dev = cfg.device
+    model_dtype = compute_dtype(str(lat.model_dtype), cfg.dtype, dev)
+    model.to(model_dtype)
+    rounds = int(lat.rounds)
+    if rounds < 1:
+        raise ValueError(f"latency.rounds={rounds} must be at least 1")
     window = sample_windows(load_documents(cfg.dataset), handle.tokenizer, 1, max(contexts), int(cfg.seed))[0]
     store = cache_dtype(cfg.dtype)
+    stored = str(store).replace("torch.", "")
     # name -> (new empty cache, its byte count or None for run_once's own, fields every row of it carries)
     make: dict[str, tuple[Callable[[], Any], Callable[[Any], int] | None, dict]] = {
-        "dynamic": (DynamicCache, None, {"label": "DynamicCache (16-bit)"}),
+        "dynamic": (lambda: dynamic_cache(store), None, {"label": f"DynamicCache ({stored})"}),
         "compressed": (lambda: CompressedCache(compressor, residual=lat.residual, chunk=int(lat.chunk),
                                                mode=str(lat.mode), model=handle, dtype=store),
                        None, {"label": f"CompressedCache ({compressor.name})"}),
     }
     for name, b in baselines.items():
-        make[name] = (lambda b=b: b.make(model.config), b.nbytes, b.describe())
+        make[name] = (lambda b=b: b.make(model.config, store), b.nbytes, b.describe())
     load_start = os.getloadavg()
     warm = window[: min(64, len(window))].unsqueeze(0).to(dev)
     for new, nbytes, _ in make.values():  # first calls allocate and pick kernels; keep them out of the measurement
         run_once(model, warm, new(), 2, dev, nbytes)
+    order = np.random.default_rng(int(cfg.seed))
     rows = []
     for T in contexts:
         ids = window[:T].unsqueeze(0).to(dev)  # (1, T)
-        got = {}
-        for name, (new, nbytes, info) in make.items():
-            got[name] = run_once(model, ids, new(), int(lat.decode_tokens), dev, nbytes)
-            rows.append({"context": T, "cache": name, **{k: v for k, v in got[name].items() if k != "tokens"}, **info})
+        runs: dict[str, list[dict]] = {name: [] for name in make}
+        for _ in range(rounds):
+            for i in order.permutation(len(make)):
+                name = list(make)[i]
+                new, nbytes, _ = make[name]
+                runs[name].append(run_once(model, ids, new(), int(lat.decode_tokens), dev, nbytes))
+        got = {name: over_rounds(r) for name, r in runs.items()}
+        for name, (_, _, info) in make.items():
+            rows.append({"context": T, "cache": name, "dtype": stored,
+                         **{k: v for k, v in got[name].items() if k != "tokens"}, **info})
         match = {name: float(np.mean([a == b for a, b in zip(got["dynamic"]["tokens"], g["tokens"])]))
                  for name, g in got.items()}
         match["dynamic"] = match["compressed"]  # the plain row carries the compressed cache's agreement, as it always has
@@ -173,6 +250,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "kind": "latency",
         "contexts": contexts,
         "decode_tokens": int(lat.decode_tokens),
+        "rounds": rounds,
         "rows": rows,
         "ratios": latency_ratios(rows),
         "cache": {"residual": lat.residual, "chunk": int(lat.chunk), "mode": str(lat.mode), "dtype": cfg.dtype},

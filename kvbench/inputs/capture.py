@@ -107,10 +107,29 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")  # (T,)
 
 
+#: the modules whose code decides what a captured trace holds (windows drawn from the text, the model as loaded, the
+#: forward pass and what is kept of it): their source is part of every trace's cache key
+CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.data", "kvbench.inputs.models", "kvbench.core.kv")
+
+
+def capture_code_version() -> str:
+    """16 hex digits naming the capture code: the source of :data:`CAPTURE_CODE` and the torch and transformers
+    versions. A commit that changes none of them keeps every cached trace; one that does captures afresh."""
+    import importlib
+
+    import transformers
+
+    h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for name in CAPTURE_CODE:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def trace_key(cfg: Any) -> str:
     ds = cfg.dataset
     key = {
         "format": TRACE_FORMAT,
+        "code": capture_code_version(),
         "model": [cfg.model.name, cfg.model.source, str(cfg.model.path)],
         "dataset": [ds.name, str(ds.path), ds.field, ds.n_sequences, ds.n_calib, ds.seq_len, ds.eval_len, ds.seed],
         "dtype": cfg.dtype,
@@ -147,6 +166,7 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
             "pre_rope": bool(cfg.capture.pre_rope),
             "kvbench_version": __version__,
             "git_sha": git_sha(),
+            "capture_code": capture_code_version(),
             "capture_s": elapsed,
             "prefill_tokens_per_s": total * ds.seq_len / elapsed,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -30,7 +30,7 @@ from kvbench.core.items import Item, Source
 from kvbench.core.kv import KVSequence, first_kv_mismatch
 from kvbench.core.prefix_cache import PrefixCache, replay
 from kvbench.core.radix import RadixTrie
-from kvbench.inputs.capture import cache_dtype, capture_window, default_trace_dir, load_or_capture
+from kvbench.inputs.capture import cache_dtype, capture_code_version, capture_window, default_trace_dir, load_or_capture
 from kvbench.inputs.data import load_documents
 from kvbench.inputs.models import ModelHandle
 from kvbench.inputs.workloads import Workload, make_workload
@@ -47,7 +47,8 @@ class CapturedSession:
 
 def session_cache_dir(cfg: Any) -> Path:
     m = cfg.model
-    key = hashlib.sha256(json.dumps([m.name, m.source, str(m.path), cfg.dtype]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([m.name, m.source, str(m.path), cfg.dtype, capture_code_version()]).encode())
+    key = key.hexdigest()[:12]
     return home() / "sessions" / f"{m.name}-{cfg.dtype}-{key}"
 
 

@@ -1,0 +1,48 @@
+"""Which finished work is reused: runs only of the same code version by default (``metrics.resume: code``), traces
+only of the same capture code."""
+
+from kvbench.core.config import compose
+from kvbench.inputs import capture
+from kvbench.store import results
+
+
+def test_every_measuring_command_reuses_only_runs_of_its_code_version_by_default():
+    assert compose(["+compressor=kivi"]).metrics.resume == "code"
+    assert compose(["+compressor=kivi"], config_name="eval").metrics.resume == "code"
+    for name in ("latency", "restore"):  # timing is never reused
+        assert compose(["+compressor=kivi"], config_name=name).metrics.resume is False
+
+
+def test_a_run_is_measured_again_after_the_code_version_changes(tmp_path, monkeypatch):
+    cfg = {"compressor": {"name": "identity"}, "paths": {"results": str(tmp_path)}, "seed": 0}
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return {"value": len(measured)}, [{"row": 0}]
+
+    def at(sha):
+        monkeypatch.setattr(results, "git_sha", lambda: sha)
+        return results.reuse_or_measure("run", cfg, "identity", {"name": "identity"}, measure, resume="code")
+
+    first = at("a" * 40)
+    again = at("a" * 40)
+    assert not first.reused and again.reused and again.summary["value"] == 1
+    later = at("b" * 40)
+    assert not later.reused and later.summary["value"] == 2 and later.summary["git_sha"] == "b" * 40
+    # any version: the newest finished run of the cell, whatever code measured it
+    assert results.reuse_or_measure("run", cfg, "identity", {"name": "identity"}, measure, resume=True).reused
+    assert len(measured) == 2
+
+
+def test_the_trace_key_names_the_capture_code(monkeypatch):
+    cfg = compose(["+compressor=identity"])
+    before = capture.trace_key(cfg)
+    assert capture.trace_key(cfg) == before
+    monkeypatch.setattr(capture, "capture_code_version", lambda: "0" * 16)
+    assert capture.trace_key(cfg) != before
+
+
+def test_the_capture_code_version_reads_the_capture_modules():
+    assert len(capture.capture_code_version()) == 16
+    assert "kvbench.inputs.capture" in capture.CAPTURE_CODE

@@ -10,7 +10,7 @@ import torch
 
 from compressors.exact.lossless import Lossless
 from compressors.predictive.delta import Delta
-from compressors.predictive.delta_predictors import FromModel, Temporal
+from compressors.predictive.delta_predictors import FromModel, Previous
 from compressors.predictive.residual import ResidualCoder
 from compressors.predictive.residual_planes import unzigzag, zigzag
 from kvbench.coding.bitstream import Bitstream, BitstreamError
@@ -410,7 +410,7 @@ def test_planes_code_every_16_bit_pattern_exactly(dtype, predictor):
     v = k.reshape(-1)[torch.randperm(k.numel(), generator=g)].reshape(shape)
     kv = KVSequence(k, v)
     if predictor == "previous":
-        preds = {"k": Temporal(), "v": Temporal()}
+        preds = {"k": Previous(), "v": Previous()}
     else:  # within about one float16 step of every finite value
         noisy = lambda x: torch.where(x.isfinite(), x.double() * (1 + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)), 0.0)  # noqa: E731
         preds = {kind: FromModel(noisy(getattr(kv, kind))) for kind in "kv"}

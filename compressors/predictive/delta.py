@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from compressors.predictive.delta_predictors import PREDICTORS, DeltaPredictor, Predictor, make_predictor
+from compressors.predictive.delta_predictors import PREDICTORS, Predictor, make_predictor
 from compressors.predictive.residual import EXACT_CODERS, KINDS, ResidualCoder
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
@@ -94,7 +94,7 @@ class Delta(Compressor):
     def lossless(self) -> bool:  # type: ignore[override]
         return self.step == 0 and self.bits is None
 
-    def _new_predictors(self) -> dict[str, DeltaPredictor]:
+    def _new_predictors(self) -> dict[str, Predictor]:
         return {kind: make_predictor(self.predictor, kind, order=self.order, weight_bits=self.weight_bits)
                 for kind in KINDS}
 
@@ -164,7 +164,7 @@ class Delta(Compressor):
     # ---- predictors and steps -------------------------------------------------------------------------------------
 
     def _predictor(self, kind: str, shape) -> Predictor:
-        return self._predictors[kind].for_shape(shape)
+        return self._predictors[kind].ready_for(shape)
 
     def _step(self, kind: str, shape) -> torch.Tensor:
         """Step per element, broadcastable to ``(L, H, T, D)``, float64."""

@@ -45,8 +45,8 @@ their attention on them, so their errors count far beyond their share of the MSE
 for 0.05 more stream bits per element.
 
 **Codec state** (:meth:`AquaKV.state`, charged once per run by the harness): the predictor weights and biases of
-layers 1..L-1 as :class:`compressors.predictive.delta_predictors.QuantizedWeights`, ``weight_bits``-bit integers with a
-power-of-two scale (int8) per output channel. 8 bits by default: on a SmolLM2-135M window they predict as well as
+layers 1..L-1 as :class:`compressors.predictive.integer_weights.QuantizedWeights`, ``weight_bits``-bit integers with
+a power-of-two scale (int8) per output channel. 8 bits by default: on a SmolLM2-135M window they predict as well as
 16-bit weights (relative MSE of the coded keys 0.0097 either way, values 0.0376 vs 0.0375 at ``bits=2``) at half
 the codec bits (25.8 instead of 51.5 Mbit for 30 layers of 3 x 64 channels); 6 bits start to cost (0.0103, 0.0397).
 
@@ -83,7 +83,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from compressors.predictive.delta_predictors import QuantizedWeights
+from compressors.predictive.integer_weights import QuantizedWeights
 from compressors.quantizers.rotation import is_power_of_two, make_rotation
 from compressors.transform.aquakv_code import LayerReader, ScalarCode, code_layer, reconstruction
 from compressors.transform.aquakv_predict import one_thread, predict, real_weights, ridge_fit

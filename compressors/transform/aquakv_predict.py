@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from compressors.predictive.delta_predictors import QuantizedWeights
+from compressors.predictive.integer_weights import QuantizedWeights
 
 
 def ridge_fit(X: np.ndarray, Y: np.ndarray, ridge: float) -> np.ndarray:
@@ -17,7 +17,7 @@ def ridge_fit(X: np.ndarray, Y: np.ndarray, ridge: float) -> np.ndarray:
     with ``G = [X, 1]ᵀ[X, 1]``.
 
     ``X`` ``(N, n_in)``, ``Y`` ``(N, n_out)``. Normal equations in float64, one system at a time (a batched solve
-    can spin forever on two cores, see :func:`compressors.predictive.delta_predictors._solve`), in torch (see
+    can spin forever on two cores, see :func:`compressors.predictive.integer_weights.solve`), in torch (see
     :func:`one_thread`); least squares where ``ridge=0`` leaves them singular.
     """
     Xa = torch.empty((X.shape[0], X.shape[1] + 1), dtype=torch.float64)

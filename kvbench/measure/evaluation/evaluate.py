@@ -24,7 +24,7 @@ from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation.lm import CompressedKVLM
-from kvbench.measure.evaluation.stats import paired_binary
+from kvbench.measure.evaluation.stats import paired_scores
 from kvbench.measure.evaluation.tasks import task_specs
 from kvbench.store.results import git_sha
 
@@ -116,7 +116,7 @@ def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, lis
     floor = chance(spec, [b_samples[i]["doc"] for i in ids], [b_samples[i] for i in ids])
     stats = {
         "metric": metric,
-        **paired_binary(b, c),
+        **paired_scores(b, c),
         "chance": floor,
         "near_chance": bool(ids) and float(b.mean()) < floor + NEAR_CHANCE_MARGIN,
         # raw responses (log-likelihoods, generated text) equal to the baseline's, not only the metric
@@ -137,13 +137,13 @@ def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, lis
 
 
 def pooled(per_task: dict, rows: list[dict]) -> dict:
-    """The pooled comparisons: over every example, and over the tasks whose 16-bit accuracy is clear of chance
-    (a task the model cannot do cannot lose)."""
-    side = lambda rs, k: np.array([r[k] for r in rs])  # noqa: E731
-    clear = [r for r in rows if not per_task[r["task"]]["near_chance"]]
-    return {"overall": paired_binary(side(rows, "base"), side(rows, "comp")),
-            "near_chance_tasks": sorted(t for t, v in per_task.items() if v["near_chance"]),
-            "overall_informative": paired_binary(side(clear, "base"), side(clear, "comp"))}
+    """The pooled comparisons, stratified by task: over every example, and over the tasks whose 16-bit accuracy is
+    clear of chance (a task the model cannot do cannot lose)."""
+    def pool(rs: list[dict]) -> dict:
+        return paired_scores(*(np.array([r[k] for r in rs]) for k in ("base", "comp")), task=[r["task"] for r in rs])
+
+    return {"overall": pool(rows), "near_chance_tasks": sorted(t for t, v in per_task.items() if v["near_chance"]),
+            "overall_informative": pool([r for r in rows if not per_task[r["task"]]["near_chance"]])}
 
 
 def summarise(cfg: Any, compressor: Compressor, lm: CompressedKVLM, per_task: dict, rows: list[dict], fit_s: float,
@@ -203,7 +203,7 @@ def format_eval(s: dict) -> str:
     lines = [f"  {s['compressor']} vs 16-bit baseline on {s['model']}  ({s['n_examples']} examples, limit {s['limit']}/task, "
              f"{s.get('protocol', 'query_aware')}, {s['bits_per_element']:.3f} bits/element held for "
              f"{s['compressed_fraction']:.0%} of context tokens)",
-             f"  {'task':<16} {'n':>4}  {'baseline':>14}  {'compressed':>14}  {'diff [95% CI]':>24}  {'McNemar p':>9}"]
+             f"  {'task':<16} {'n':>4}  {'baseline':>14}  {'compressed':>14}  {'diff [95% CI]':>24}  {'p':>9}  {'detectable':>10}"]
     pooled_rows = [("all", s["overall"])]
     if s.get("near_chance_tasks"):
         pooled_rows.append(("clear of chance", s.get("overall_informative", {})))
@@ -212,5 +212,6 @@ def format_eval(s: dict) -> str:
             continue
         name = f"{name} (near chance)" if t.get("near_chance") else name
         lines.append(f"  {name:<16} {t['n']:>4}  {t['acc_base']:.3f} ± {t['stderr_base']:.3f}  {t['acc_comp']:.3f} ± {t['stderr_comp']:.3f}  "
-                     f"{t['diff']:+.3f} [{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]  {t['mcnemar_p']:>9.3g}")
+                     f"{t['diff']:+.3f} [{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]  {t['p_value']:>9.3g}  "
+                     f"{t['detectable_diff']:>10.3f}")
     return "\n".join(lines)

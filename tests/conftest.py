@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -103,3 +105,31 @@ def tiny_handle(tiny_model, tokenizer):
     from kvbench.inputs.models import ModelHandle
 
     return ModelHandle.from_loaded(tiny_model, tokenizer, OmegaConf.create({"name": "hf", "source": "hf", "path": "unused"}))
+
+
+SWEEP_WORDS = ["the", "nation", "shall", "endure", "and", "people", "prosper", "under", "law", "liberty", "of", "all"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Llama checkpoint with a word-level tokenizer trained on a small corpus, both saved to disk, for
+    tests that run the CLI in subprocesses (``model=hf model.path=CKPT dataset=text dataset.path=CORPUS``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny")
+    g = torch.Generator().manual_seed(1)
+    text = " ".join(SWEEP_WORDS[i] for i in torch.randint(0, len(SWEEP_WORDS), (4000,), generator=g).tolist())
+    corpus = root / "corpus.txt"
+    corpus.write_text(text)
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    ckpt = root / "ckpt"
+    fast.save_pretrained(ckpt)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(ckpt)
+    return ckpt, corpus

@@ -15,14 +15,22 @@ version, with the compressor node replaced by the instantiated compressor's full
 later with a default keys the same as an old config that did not name it). The code version (``git_sha``) is kept
 beside it, not in it: a commit does not orphan earlier runs, and :func:`latest` finds the newest finished run of a
 cell under any code version unless ``same_code=True`` asks for this one.
+
+A run directory's name is its identity: kind, compressor, ``cell_key`` and code version, never a time. Sweeps that
+share a results root at once measure each cell once: a cell is measured under a lock file of its own
+(``runs/.locks/``), and a sweep that waits on it reuses the run the holder wrote. Before anything is measured the
+results folder is checked for a write (:func:`check_writable`), so a read-only or full disk fails at once, not
+after the measurement.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -138,6 +146,43 @@ def latest(root: Path, kind: str, key: str, name: str = "*", same_code: bool = F
     return runs[0] if runs else None
 
 
+class ResultsNotWritable(ValueError):
+    """The results folder cannot take a run: read-only, not ours, or out of space."""
+
+
+#: bytes the write check puts on disk (and removes): a disk without this much room cannot take a run's files
+PROBE_BYTES = 64 * 1024
+_WHY = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied", errno.ENOSPC: "no space is left on its device",
+        errno.EDQUOT: "the disk quota is exceeded"}
+
+
+def check_writable(root: Path) -> None:
+    """Raise :class:`ResultsNotWritable` unless a file of :data:`PROBE_BYTES` can be written, synced and removed
+    in ``root/runs`` (created if missing). The probe is a hidden temporary file; nothing is left behind."""
+    runs = Path(root) / "runs"
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=runs, prefix=".write-check.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"\0" * PROBE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            Path(probe).unlink(missing_ok=True)
+    except OSError as e:
+        why = _WHY.get(e.errno, e.strerror or type(e).__name__)
+        raise ResultsNotWritable(
+            f"results folder {runs} cannot take a run: {why} ({e.filename or runs}); nothing was measured. "
+            "Point paths.results=DIR (or KVBENCH_RESULTS=DIR) at a writable folder with room") from e
+
+
+def cell_lock_path(root: Path, kind: str, name: str, key: str) -> Path:
+    """The lock file a cell is measured under, shared by every process writing ``root``."""
+    return Path(root) / "runs" / ".locks" / f"{kind_of(kind).prefix}{name}-{key}.lock"
+
+
 def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict) -> None:
     """Write a run directory atomically: it appears whole or not at all."""
     import pandas as pd
@@ -171,21 +216,35 @@ def resume_mode(value: Any) -> str:
 def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: dict | None,
                      measure: Callable[[], tuple[dict, list[dict]]], resume: Any = True) -> Outcome:
     """Return the newest finished run of this cell, or measure it (``measure()`` gives ``(summary, rows)``) and
-    write it with ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config`` in the summary."""
+    write it with ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config`` in the summary.
+
+    The results folder is checked for a write before ``measure()`` runs, and the cell is measured under its lock
+    (:func:`cell_lock_path`): a process that waited on the lock finds the holder's run and reuses it (unless
+    ``resume`` is false), so concurrent sweeps on one root measure and write each cell once."""
+    from filelock import FileLock
+
     mode = resume_mode(resume)
     key = cell_key(cfg_dict, compressor_config)
     root = root_of(cfg_dict)
-    if mode != "never":
-        found = latest(root, kind, key, name, same_code=mode == "code")
-        if found is not None:
-            path = Path(found.pop("_dir"))
-            return Outcome(found, path, True)
-    summary, rows = measure()
-    sha = git_sha()
-    summary = {**summary, "kind": kind, "cell_key": key, "git_sha": sha, "config": cfg_dict}
-    summary.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    path = run_dir(root, kind, name, key, sha)
-    write(path, kind, summary, rows, cfg_dict)
+
+    def reusable() -> Outcome | None:
+        found = latest(root, kind, key, name, same_code=mode == "code") if mode != "never" else None
+        return None if found is None else Outcome(found, Path(found.pop("_dir")), True)
+
+    if (out := reusable()) is not None:
+        return out
+    check_writable(root)
+    lock = cell_lock_path(root, kind, name, key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):
+        if (out := reusable()) is not None:  # another process measured the cell while this one waited
+            return out
+        summary, rows = measure()
+        sha = git_sha()
+        summary = {**summary, "kind": kind, "cell_key": key, "git_sha": sha, "config": cfg_dict}
+        summary.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        path = run_dir(root, kind, name, key, sha)
+        write(path, kind, summary, rows, cfg_dict)
     return Outcome(summary, path, False)
 
 

@@ -1,22 +1,25 @@
-"""Contract tests that every configured compressor must pass, plus identity and KIVI specifics."""
+"""Contract tests that every configured compressor must pass, plus identity and KIVI specifics.
+
+Every ``configs/compressor/*.yaml`` runs here, none skipped: compressors that need a model run on conftest's tiny
+random Llama (its KV, token ids and weights), the others on random 16-bit KV (tests/stream_cases.py); the
+integration test below runs the model-backed ones on the packaged model too.
+"""
 
 import dataclasses
 
 import pytest
 import torch
+from stream_cases import ALL, build, instantiate, needs_model
 
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bytes
 from kvbench.core.compressor import rebuild
-from kvbench.core.config import available, compose, make_compressor
+from kvbench.core.config import compose, make_compressor
 from kvbench.core.kv import Context
 from kvbench.store.paths import repo_root
 
-ALL = available("compressor")
-
-
-def _instantiate(name):
-    return make_compressor(compose([f"+compressor={name}"]).compressor)
+_instantiate = instantiate
+MODEL_BACKED = [n for n in ALL if needs_model(n)]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -26,51 +29,79 @@ def test_every_config_instantiates(name):
     assert dataclasses.is_dataclass(comp)
 
 
-def _roundtrip_capable(comp):
-    return not comp.needs_model
+def test_the_contract_covers_every_compressor_config():
+    assert ALL == sorted(p.stem for p in (repo_root() / "configs" / "compressor").glob("*.yaml")) and len(ALL) >= 20
+    assert set(MODEL_BACKED) == {n for n in ALL if _instantiate(n).needs_model} >= {
+        "snapkv", "tova", "h2o", "expected_attention", "recompute", "speculative"}
 
 
-def _config_for(kv):
-    """A tiny Llama config matching ``kv``'s shapes: the free model config a ``needs_config`` compressor reads."""
-    from transformers import LlamaConfig
-
-    L, H, _, D = kv.shape
-    return LlamaConfig(vocab_size=128, hidden_size=H * D, intermediate_size=128, num_hidden_layers=L,
-                       num_attention_heads=H, num_key_value_heads=H, head_dim=D, max_position_embeddings=512)
+def _check_roundtrip(case, outs):
+    comp = case.encoder
+    assert len(outs) == len(case.kvs)
+    for out, kv, ctx in zip(outs, case.kvs, case.ctxs):
+        assert out.shape == kv.shape == ctx.shape and out.k.dtype == out.v.dtype == kv.k.dtype
+        if comp.lossless:
+            assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
+        if out.tokens is not None:  # a decoder that returns token ids decoded them from its own stream
+            assert torch.equal(out.tokens, kv.tokens)
+        if out.kept is not None:  # eviction: what is kept is the 16-bit KV, what is dropped is zero
+            kept = out.kept.unsqueeze(-1).expand_as(out.k)  # (L, H, T, D)
+            assert kept.any() and (out.k[~kept] == 0).all() and (out.v[~kept] == 0).all()
+            if getattr(comp, "inner", None) is None:
+                assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept])
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_roundtrip_shapes_accounting_and_checksum(name, random_kv):
-    comp = _instantiate(name)
-    if not _roundtrip_capable(comp):
-        pytest.skip(f"{name} needs a model; covered by its own tests")
-    kv = random_kv(T=160, D=64)
-    calib = random_kv(T=160, D=64, seed=9)
-    config = None
-    if comp.needs_config:
-        from kvbench.core.rope import Rotary
-
-        config = _config_for(kv)
-        # as a capture with capture.pre_rope=true would give them
-        calib.k_pre_rope = Rotary(config).undo(calib.k).to(calib.k.dtype)
-    comp.fit([calib])
-    ctx = Context.for_kv(kv, config=config)
-    bs = comp.encode(kv, ctx)
+def test_roundtrip_shapes_accounting_and_checksum(name):
+    case = build(name)
+    comp, bs = case.encoder, case.stream
     assert sum(bs.parts.values()) == bs.num_bits
     assert len(bs.data) * 8 >= bs.num_bits
+    stored = Bitstream.from_bytes(bs.data)  # the accounting is rebuilt from the stored bytes alone
+    assert stored.num_bits == bs.num_bits and dict(stored.parts) == dict(bs.parts) and stored.compressor == comp.name
     # the decoder is another instance: the config, the fitted state as bytes and the stored stream, nothing more
     dec = decoder_for(comp, state_bytes(comp))
-    assert dec is not comp
-    out = dec.decode(Bitstream.from_bytes(bs.data), ctx)
-    assert out.shape == kv.shape and out.k.dtype == kv.k.dtype
-    if comp.lossless:
-        assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
-    again = comp.decode(Bitstream.from_bytes(bs.data), ctx)
-    assert torch.equal(again.k, out.k) and torch.equal(again.v, out.v)
+    assert dec is not comp and type(dec) is type(comp)
+    out = case.decode(bs.data, dec)
+    _check_roundtrip(case, out)
+    again = case.decode(bs.data, comp)
+    for a, b in zip(again, out):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     bad = bytearray(bs.data)
     bad[len(bad) // 2] ^= 0x01
-    with pytest.raises(BitstreamError):
-        dec.decode(Bitstream(bytes(bad), bs.num_bits, bs.parts), ctx)
+    with pytest.raises(BitstreamError, match="checksum"):
+        case.decode(bytes(bad), dec)
+
+
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", MODEL_BACKED)
+def test_model_backed_compressors_roundtrip_on_the_packaged_model(name, packaged):
+    """The same contract on the packaged model's own cache of a short window (token ids and weights in the
+    context), decoded by an instance rebuilt from the config."""
+    from stream_cases import Case
+
+    kv, handle = packaged
+    comp = _instantiate(name)
+    ctx = Context.for_kv(kv, handle, config=handle.model.config)
+    case = Case(name, comp, decoder_for(comp, state_bytes(comp)), [kv], [ctx], comp.encode(kv, ctx))
+    assert sum(case.stream.parts.values()) == case.stream.num_bits
+    _check_roundtrip(case, case.decode(case.stream.data))
+
+
+@pytest.fixture(scope="module")
+def packaged():
+    """24 tokens of the packaged default model's 16-bit cache, with the ids, and the model handle."""
+    from kvbench.core.kv import KVSequence
+    from kvbench.inputs.capture import capture_window
+    from kvbench.inputs.models import ModelHandle
+
+    handle = ModelHandle(compose([]).model)
+    text = "Four score and seven years ago our fathers brought forth on this continent a new nation, conceived in "
+    ids = torch.tensor(handle.tokenizer(text).input_ids[:24])
+    got = capture_window(handle.model, ids, ids.numel(), torch.float16)
+    return KVSequence(got["k"], got["v"], ids), handle
 
 
 @pytest.mark.parametrize("name", ALL)

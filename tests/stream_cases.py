@@ -1,0 +1,146 @@
+"""A valid stored stream of every configured compressor, and the parties that read it.
+
+Shared by the contract suite (tests/test_compressors_base.py), the fuzz tests (tests/test_fuzz_streams.py) and
+scripts/reliability.py. Compressors that need a model run on conftest's tiny random Llama (``needs_model``: its
+KV, token ids and weights in the context); the others on random 16-bit KV with channel outliers, fitted on another
+draw. The decoder is always another instance: rebuilt from the config, it knows the fitted state only as bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvbench.coding.bitstream import Bitstream
+from kvbench.core.codec import decoder_for, state_bytes
+from kvbench.core.compressor import Compressor, SetCompressor
+from kvbench.core.config import available, compose, make_compressor
+from kvbench.core.kv import Context, KVSequence
+
+ALL = available("compressor")
+
+
+def instantiate(name: str, overrides: tuple[str, ...] = ()) -> Compressor:
+    return make_compressor(compose([f"+compressor={name}", *overrides]).compressor)
+
+
+def needs_model(name: str) -> bool:
+    """Whether the class ``configs/compressor/NAME.yaml`` targets declares ``needs_model`` (read without building
+    it: a wrapper whose inner stage needs the model says so on the instance, and none of the configs has one)."""
+    import hydra.utils
+    from omegaconf import OmegaConf
+
+    from kvbench.core.config import CONFIG_DIR
+
+    return bool(hydra.utils.get_class(OmegaConf.load(CONFIG_DIR / "compressor" / f"{name}.yaml")._target_).needs_model)
+
+
+def random_kv(L=2, H=2, T=160, D=64, dtype=torch.float16, seed=0) -> KVSequence:
+    """conftest's ``random_kv``: keys with a linear ramp of channel offsets (outlier channels), token ids."""
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(L, H, T, D, generator=g) * 2 + torch.linspace(-3, 3, D)).to(dtype)  # (L, H, T, D)
+    v = torch.randn(L, H, T, D, generator=g).to(dtype)  # (L, H, T, D)
+    return KVSequence(k, v, torch.randint(0, 128, (T,), generator=g))
+
+
+def config_for(kv: KVSequence) -> Any:
+    """A tiny Llama config matching ``kv``'s shapes: the free model config a ``needs_config`` compressor reads."""
+    from transformers import LlamaConfig
+
+    L, H, _, D = kv.shape
+    return LlamaConfig(vocab_size=128, hidden_size=H * D, intermediate_size=128, num_hidden_layers=L,
+                       num_attention_heads=H, num_key_value_heads=H, head_dim=D, max_position_embeddings=512)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model() -> Any:
+    from conftest import tiny_llama
+
+    return tiny_llama()
+
+
+def model_kv(T: int, seed: int = 0) -> KVSequence:
+    """The tiny model's 16-bit cache of ``T`` random token ids, with the ids."""
+    from kvbench.inputs.capture import capture_window
+
+    ids = torch.randint(0, 128, (T,), generator=torch.Generator().manual_seed(seed))
+    got = capture_window(tiny_model(), ids, T, torch.float16)
+    return KVSequence(got["k"], got["v"], ids)
+
+
+def shared_prefix_sessions(base: KVSequence, n: int = 3, prefix: int = 64) -> list[KVSequence]:
+    """``n`` sessions whose first ``prefix`` tokens (ids and KV) are ``base``'s, each with its own tail: what a
+    dedup stage shares (session j's tail is ``base`` shifted by j tokens)."""
+    out = [base]
+    for j in range(1, n):
+        tail = base.slice_tokens(prefix - j * 8, base.n_tokens - j * 8)
+        out.append(KVSequence(torch.cat([base.k[:, :, :prefix], tail.k], dim=2),
+                              torch.cat([base.v[:, :, :prefix], tail.v], dim=2),
+                              torch.cat([base.tokens[:prefix], (tail.tokens + 1) % 128])))
+    return out
+
+
+@dataclass
+class Case:
+    """One compressor's valid stream: the fitted encoder, a decoder rebuilt from its state bytes, the sequences
+    and their contexts, and what the decoder makes of the stream."""
+
+    name: str
+    encoder: Compressor
+    decoder: Compressor
+    kvs: list[KVSequence]
+    ctxs: list[Context]
+    stream: Bitstream
+    decoded: list[KVSequence] = field(default_factory=list)
+
+    @property
+    def is_set(self) -> bool:
+        return isinstance(self.encoder, SetCompressor)
+
+    def encode(self, comp: Compressor | None = None) -> Bitstream:
+        comp = comp or self.encoder
+        return comp.encode_set(self.kvs, self.ctxs) if self.is_set else comp.encode(self.kvs[0], self.ctxs[0])
+
+    def decode(self, data: bytes, comp: Compressor | None = None) -> list[KVSequence]:
+        """Decode stored bytes on the decoder (or ``comp``): one sequence per context."""
+        comp = comp or self.decoder
+        bs = Bitstream(bytes(data), 8 * len(data), {}, "")  # as read from disk: nothing but the bytes
+        return comp.decode_set(bs, self.ctxs) if self.is_set else [comp.decode(bs, self.ctxs[0])]
+
+
+def _sequences(comp: Compressor) -> tuple[list[KVSequence], list[Context], Any]:
+    if comp.needs_model:
+        kv = model_kv(96)
+        handle = SimpleNamespace(model=tiny_model(), tokenizer=None)
+        config = tiny_model().config
+        return [kv], [Context.for_kv(kv, handle, config=config)], config
+    kv = random_kv(T=160, D=64)
+    config = config_for(kv) if comp.needs_config else None
+    kvs = shared_prefix_sessions(kv) if isinstance(comp, SetCompressor) else [kv]
+    return kvs, [Context.for_kv(s, config=config) for s in kvs], config
+
+
+def _fit(comp: Compressor, config: Any) -> None:
+    calib = random_kv(T=160, D=64, seed=9)
+    if comp.needs_config and config is not None:
+        from kvbench.core.rope import Rotary
+
+        calib.k_pre_rope = Rotary(config).undo(calib.k).to(calib.k.dtype)  # as capture.pre_rope=true gives them
+    comp.fit([calib], config=config)
+
+
+@functools.cache
+def build(name: str, overrides: tuple[str, ...] = ()) -> Case:
+    """The case of ``configs/compressor/NAME.yaml`` (with Hydra ``overrides``), built once per process."""
+    comp = instantiate(name, overrides)
+    kvs, ctxs, config = _sequences(comp)
+    if not comp.needs_model:
+        _fit(comp, config)
+    case = Case(name, comp, decoder_for(comp, state_bytes(comp)), kvs, ctxs, Bitstream(b"", 0))
+    case.stream = case.encode()
+    case.decoded = case.decode(case.stream.data)
+    return case

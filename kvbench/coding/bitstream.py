@@ -26,6 +26,19 @@ class BitstreamError(ValueError):
     """A bitstream is corrupted, truncated, of another format version or from another compressor."""
 
 
+class Sections(dict):
+    """Section payloads by name, as :meth:`Bitstream.sections` returns them. Reading a section the stream does
+    not hold raises a :class:`BitstreamError` that names it and the sections there are (a ``KeyError`` would
+    not say that the stream, not the code, is wrong); ``in`` and ``get`` ask as for any dict."""
+
+    def __init__(self, compressor: str, payloads: Mapping[str, bytes]) -> None:
+        super().__init__(payloads)
+        self.compressor = compressor
+
+    def __missing__(self, name: str) -> bytes:
+        raise BitstreamError(f"{self.compressor or 'the'} bitstream has no section {name!r}; it holds {sorted(self)}")
+
+
 def varints(values) -> bytes:
     """Unsigned LEB128: seven bits a byte, low groups first, the high bit set on every byte but a number's last."""
     out = bytearray()
@@ -130,12 +143,12 @@ class Bitstream:
         frame_bits = 8 * (len(data) - sum(n for _, _, _, n in layout))
         return cls(bytes(data), frame_bits + sum(parts.values()), {"frame": frame_bits, **parts}, compressor)
 
-    def sections(self, expect: str | None = None) -> dict[str, bytes]:
+    def sections(self, expect: str | None = None) -> Sections:
         """Verify the checksum (and the compressor name if given) and return the section payloads."""
         body, compressor, layout = _parse(self.data)
         if expect is not None and compressor != expect:
             raise BitstreamError(f"bitstream was written by compressor {compressor!r}, not {expect!r}")
-        return {name: body[start : start + n] for name, _, start, n in layout}
+        return Sections(compressor, {name: body[start : start + n] for name, _, start, n in layout})
 
 
 def _parse(data: bytes) -> tuple[bytes, str, list[tuple[str, int, int, int]]]:
@@ -150,6 +163,8 @@ def _parse(data: bytes) -> tuple[bytes, str, list[tuple[str, int, int, int]]]:
         raise BitstreamError(f"bitstream format version {version}; this kvbench reads version {FORMAT_VERSION}")
     compressor = r.string()
     entries = [(r.string(), r.varint(), r.varint()) for _ in range(r.varint())]
+    if len({name for name, _, _ in entries}) != len(entries):
+        raise BitstreamError(f"{compressor} bitstream names a section twice")
     layout, pos = [], r.pos
     for name, nbits, nbytes in entries:
         # every declared bit must lie in the section's bytes, and at most the last byte may be padding

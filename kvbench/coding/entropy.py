@@ -10,9 +10,12 @@ show coder overhead (actual vs. model-estimated rate, as CompressAI does).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import constriction
 import numpy as np
+
+from kvbench.coding.bitstream import BitstreamError
 
 _model = constriction.stream.model
 _queue = constriction.stream.queue
@@ -25,7 +28,7 @@ def _finish(enc) -> tuple[bytes, int]:
 
 def _words(raw: bytes) -> np.ndarray:
     if len(raw) % 4:
-        raise ValueError("entropy-coded section is not a whole number of 32-bit words")
+        raise BitstreamError(f"entropy-coded section of {len(raw)} bytes is not a whole number of 32-bit words")
     return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
 
 
@@ -110,38 +113,65 @@ class StreamEncoder:
         return _finish(self._enc)
 
 
+@contextmanager
+def _coded(what: str = "entropy-coded section"):
+    """Turn the coder library's complaints about a stream (its data does not fit the model, a model built from
+    corrupted side information is invalid) into a :class:`BitstreamError`."""
+    try:
+        yield
+    except (AssertionError, ValueError, RuntimeError, OverflowError) as e:
+        if isinstance(e, BitstreamError):
+            raise
+        raise BitstreamError(f"{what} cannot be decoded under its model ({type(e).__name__}: {e})") from e
+
+
 class StreamDecoder:
-    """Reads a :class:`StreamEncoder` stream back with the same sequence of calls and models."""
+    """Reads a :class:`StreamEncoder` stream back with the same sequence of calls and models.
+
+    A decoder that has read every symbol it expects calls :meth:`finish`: a range-coded stream that was
+    truncated, padded or swapped for another decodes to *some* symbols without complaint, and only the end of
+    the stream tells.
+    """
 
     def __init__(self, raw: bytes) -> None:
-        self._dec = _queue.RangeDecoder(_words(raw)) if raw else None
+        with _coded():
+            self._dec = _queue.RangeDecoder(_words(raw)) if raw else None
 
     def categorical(self, n: int, probs: np.ndarray) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=np.int32)
         p = np.asarray(probs, dtype=np.float64)
-        if p.ndim == 1:
-            return self._decoder().decode(_model.Categorical(p, perfect=False), n).astype(np.int32)
-        return self._decoder().decode(_model.Categorical(perfect=False), np.ascontiguousarray(p)).astype(np.int32)
+        with _coded():
+            if p.ndim == 1:
+                return self._decoder().decode(_model.Categorical(p, perfect=False), n).astype(np.int32)
+            return self._decoder().decode(_model.Categorical(perfect=False), np.ascontiguousarray(p)).astype(np.int32)
 
     def categorical_rows(self, n: int, probs: Sequence[np.ndarray]) -> np.ndarray:
         """Read back what :meth:`StreamEncoder.categorical_rows` wrote: ``len(probs)`` rows of ``n``, ``(G, n)``."""
         out = np.empty((len(probs), n), dtype=np.int32)
         if out.size:
             dec = self._decoder()
-            for g, p in enumerate(probs):
-                out[g] = dec.decode(_model.Categorical(p, perfect=False), n)
+            with _coded():
+                for g, p in enumerate(probs):
+                    out[g] = dec.decode(_model.Categorical(p, perfect=False), n)
         return out
 
     def laplace(self, n: int, scale, lo: int, hi: int, mean=0.0) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=np.int32)
-        model = _model.QuantizedLaplace(lo, hi)
-        return self._decoder().decode(model, _as_params(mean, n), _safe_scale(scale, n)).astype(np.int32)
+        with _coded():
+            model = _model.QuantizedLaplace(lo, hi)
+            return self._decoder().decode(model, _as_params(mean, n), _safe_scale(scale, n)).astype(np.int32)
+
+    def finish(self, what: str = "entropy-coded section") -> None:
+        """Check that the stream ends where its last expected symbol does (raise :class:`BitstreamError` if not)."""
+        if self._dec is not None and not self._dec.maybe_exhausted():
+            raise BitstreamError(f"{what} does not end where its symbols do: it was truncated, padded or is "
+                                 "another section's stream")
 
     def _decoder(self):
         if self._dec is None:
-            raise ValueError("entropy-coded section is empty but symbols were expected")
+            raise BitstreamError("entropy-coded section is empty but symbols were expected")
         return self._dec
 
 

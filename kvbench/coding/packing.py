@@ -119,7 +119,7 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) ->
     np_dtype = np.dtype(_NUMPY_OF[store]).newbyteorder("<")
     expected = int(np.prod(shape)) * np_dtype.itemsize
     if len(raw) != expected:
-        raise ValueError(f"{len(raw)} bytes for a {dtype} tensor of shape {tuple(shape)} (needs {expected})")
+        raise BitstreamError(f"{len(raw)} bytes for a {dtype} tensor of shape {tuple(shape)} (needs {expected})")
     arr = np.frombuffer(raw, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
     t = torch.from_numpy(arr.copy()).reshape(shape)
     return t.view(dtype) if dtype == torch.bfloat16 else t

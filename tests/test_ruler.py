@@ -11,8 +11,9 @@ import pytest
 from conftest import ByteTokenizer
 from omegaconf import OmegaConf
 
-from kvbench.measure.evaluation import ruler
+from kvbench.measure.evaluation import ruler, ruler_text
 from kvbench.measure.evaluation import task_data as data
+from kvbench.measure.evaluation.chance import chance_scores, haystack_words
 from kvbench.measure.evaluation.evaluate import primary
 from kvbench.measure.evaluation.tasks import TASKS, task_specs
 
@@ -30,7 +31,7 @@ def home(monkeypatch, tmp_path):
         sentences = [" ".join(rng.choice(words, 9)).capitalize() + "." for _ in range(150)]
         docs.append(" ".join(sentences))
     monkeypatch.setattr(data, "_sotu", lambda: docs)
-    monkeypatch.setattr(ruler, "_COMMON", 1)
+    monkeypatch.setattr(ruler_text, "COMMON", 1)
     return tmp_path
 
 
@@ -77,6 +78,70 @@ def test_needles_sit_at_their_depths_and_chains_in_order(home, tokenizer):
     assert f"VAR {first} = {vt['asked'][0]}." in task
     pos = [task.index(f"VAR {b} = VAR {a}.") for a, b in zip(vt["answers"], rest)]
     assert pos == sorted(pos)  # each variable is bound before it is read
+
+
+def test_niah_is_zero_shot_and_the_others_have_one_worked_example(home, tokenizer):
+    (niah, *_) = _rows(ruler.ruler_data(tokenizer, "ruler_niah_multikey", LENGTH, 1, seed=0))
+    assert niah["context"].startswith("A special magic number is hidden") and niah["context"].count("hidden within") == 1
+    assert niah["context"].count("One of the special magic numbers") == 4  # the four needles, no worked example's
+    for family, opens in (("ruler_vt", "Memorize and track"), ("ruler_cwe", "Below is a numbered list"),
+                          ("ruler_fwe", "Read the following coded text")):
+        (r, *_) = _rows(ruler.ruler_data(tokenizer, family, LENGTH, 1, seed=0))
+        assert r["context"].count(opens) == 2 and r["context"].startswith(opens)
+
+
+class ChatTokenizer:
+    """The byte tokenizer with a chat template, as an instruction-tuned model's tokenizer has."""
+
+    chat_template = "<user>{content}</user><assistant>"
+    name_or_path = "chat-bytes"
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        return ByteTokenizer()(text)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return f"<sys>be brief</sys><user>{messages[0]['content']}</user>" + ("<assistant>" if add_generation_prompt else "")
+
+    def __len__(self) -> int:
+        return 128
+
+
+def test_the_chat_template_wraps_the_task_and_the_answer_prefix_opens_the_reply(home):
+    tok = ChatTokenizer()
+    (r, *_) = _rows(ruler.ruler_data(tok, "ruler_niah_single_number_noise", LENGTH, 1, seed=0, chat_template=True))
+    assert r["chat_template"] and r["context"].startswith("<sys>be brief</sys><user>A special magic number")
+    assert r["query"].startswith("\nWhat is the special magic number") and "?</user><assistant>The special magic" in r["query"]
+    assert len(tok(r["context"] + r["query"]).input_ids) == r["n_tokens"] <= LENGTH  # the template counts
+    (plain, *_) = _rows(ruler.ruler_data(tok, "ruler_niah_single_number_noise", LENGTH, 1, seed=0))
+    assert not plain["chat_template"] and "<user>" not in plain["context"] + plain["query"]
+
+
+def test_chat_template_auto_follows_the_model_kind():
+    from kvbench.measure.evaluation.tasks import uses_chat_template
+
+    instruct = OmegaConf.create({"model": {"name": "smollm2_135m"}, "ruler": {"chat_template": "auto"}})
+    base = OmegaConf.create({"model": {"name": "gemma3_270m"}, "ruler": {"chat_template": "auto"}})
+    local = OmegaConf.create({"model": {"name": "hf", "path": "/m/Qwen2-0.5B-Instruct"}, "ruler": {"chat_template": "auto"}})
+    assert uses_chat_template(instruct, ChatTokenizer()) and uses_chat_template(local, ChatTokenizer())
+    assert not uses_chat_template(base, ChatTokenizer()) and not uses_chat_template(instruct, ByteTokenizer())
+    with pytest.raises(ValueError, match="has no chat template"):
+        uses_chat_template(OmegaConf.create({"ruler": {"chat_template": True}}), ByteTokenizer())
+
+
+def test_chance_comes_from_content_free_answerers(home, tokenizer):
+    rows = {f: _rows(ruler.ruler_data(tokenizer, f, LENGTH, 4, seed=0))
+            for f in ("ruler_fwe", "ruler_cwe", "ruler_niah_single_number_essay", "ruler_vt")}
+    fwe, cwe = chance_scores(rows["ruler_fwe"]), chance_scores(rows["ruler_cwe"])
+    assert set(fwe) == {"haystack_words"} and fwe["haystack_words"] > 0.02 and cwe["haystack_words"] > 0.02
+    # the haystack is what follows the task's instructions: coded words only, no instruction or worked-example words
+    words = haystack_words("ruler_fwe", rows["ruler_fwe"][0]["context"])
+    assert all(len(w) == 6 for w in words) and set(rows["ruler_fwe"][0]["answers"]) <= set(words)
+    n_fwe = len(words)
+    assert fwe["haystack_words"] == pytest.approx(3 / n_fwe, abs=0.06)  # three of the coded words, uniformly
+    niah = chance_scores(rows["ruler_niah_single_number_essay"])
+    assert niah == {"haystack_words": 0.0, "random_value": 0.0}  # seven random digits never match
+    assert set(chance_scores(rows["ruler_vt"])) == {"haystack_words", "random_value"}
+    assert chance_scores(rows["ruler_fwe"]) == fwe  # seeded: the same examples give the same chance
 
 
 def test_aggregation_answers_are_the_most_frequent(home, tokenizer):
@@ -171,6 +236,7 @@ def test_the_runner_pairs_ruler_scores_through_lm_eval(tiny_model, tmp_path, mon
     summary, out = evaluate(cfg, Identity(), handle, progress=False, specs=[spec])
     t = summary["tasks"]["ruler_toy_64"]
     assert summary["protocol"] == "context_only"  # the default, where the config does not name one
+    assert t["chance"] == 0.0 and t["chance_answerers"] == {"haystack_words": 0.0}  # no haystack word is a number
     assert t["query_tokens_mean"] == 1 and t["context_tokens_mean"] == np.mean([len(r["context"]) - 1 for r in rows])
     assert t["metric"] == ruler.METRIC and t["n"] == 3 and t["identical"] and t["identical_responses"] == 3
     assert t["lm_eval_base"][f"{ruler.METRIC},none"] == pytest.approx(t["acc_base"])

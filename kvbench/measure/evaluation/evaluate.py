@@ -23,6 +23,7 @@ from kvbench.core.compressor import Compressor
 from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.evaluation import ruler
+from kvbench.measure.evaluation.chance import chance_scores
 from kvbench.measure.evaluation.lm import CompressedKVLM
 from kvbench.measure.evaluation.stats import paired_scores
 from kvbench.measure.evaluation.tasks import task_specs
@@ -88,16 +89,20 @@ def run_passes(lm: CompressedKVLM, specs: list[dict], cfg: Any) -> Passes:
     return Passes(comp, base, eval_s)
 
 
-def chance(spec: dict, docs: list[dict], b_samples: list[dict]) -> float:
-    """The score of content-free answerers on these examples: one multiple-choice answer in its number of
-    choices; a random five-digit passkey one time in 90,000."""
+def chance(spec: dict, docs: list[dict], b_samples: list[dict]) -> tuple[float, dict[str, float]]:
+    """``(chance, score of each content-free answerer)`` on these examples: a multiple-choice answer is right one
+    time in its number of choices; RULER: the better answerer of :mod:`~kvbench.measure.evaluation.chance`; a random
+    five-digit passkey matches one time in 90,000; a last word is never scored right without the model."""
     if not docs:
-        return 0.0
+        return 0.0, {}
     if spec["output_type"] == "multiple_choice":
-        return float(np.mean([1 / max(len(s["resps"]), 1) for s in b_samples]))
+        return float(np.mean([1 / max(len(s["resps"]), 1) for s in b_samples])), {}
+    if spec["task"].startswith(ruler.PREFIX):
+        scores = chance_scores(docs)
+        return max(scores.values(), default=0.0), scores
     if spec["task"].startswith("passkey"):
-        return 1 / 90000
-    return 0.0
+        return 1 / 90000, {"random_value": 1 / 90000}
+    return 0.0, {}
 
 
 def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, list[dict]]:
@@ -113,11 +118,12 @@ def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, lis
     c = np.array([float(c_samples[i][metric]) for i in ids])
     key = f"{metric},{filt}"
     shapes = [lm.shapes.get((name, i), (math.nan, math.nan)) for i in ids]
-    floor = chance(spec, [b_samples[i]["doc"] for i in ids], [b_samples[i] for i in ids])
+    floor, answerers = chance(spec, [b_samples[i]["doc"] for i in ids], [b_samples[i] for i in ids])
     stats = {
         "metric": metric,
         **paired_scores(b, c),
         "chance": floor,
+        "chance_answerers": answerers,
         "near_chance": bool(ids) and float(b.mean()) < floor + NEAR_CHANCE_MARGIN,
         # raw responses (log-likelihoods, generated text) equal to the baseline's, not only the metric
         "identical_responses": int(sum(b_samples[i]["filtered_resps"] == c_samples[i]["filtered_resps"] for i in ids)),

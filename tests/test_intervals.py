@@ -5,7 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from kvbench.measure.metrics.intervals import block_bootstrap_ci, minimum_detectable_effect, verdict
+from kvbench.measure.metrics.intervals import (
+    block_bootstrap_ci,
+    document_bootstrap_ci,
+    minimum_detectable_effect,
+    verdict,
+)
 
 
 def test_iid_interval_matches_the_normal_theory():
@@ -75,6 +80,52 @@ def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
     assert s["eval_tokens"] == 2 * 48 and s["nll_base_ci"][0] <= s["nll_base"] <= s["nll_base_ci"][1]
     assert s["delta_nll_verdict_1pct"] in ("within", "not within", "unresolved")
     assert s["delta_nll_mde"] == pytest.approx(2.8016 * (high - low) / (2 * 1.95996), rel=1e-4)
+    assert s["eval_documents"] == [0, 0] and s["eval_documents_n"] == 1  # both windows come from the one text file
     exact = tiny_cfg("+compressor=identity", "dataset.eval_len=48")
     e, _ = measure(exact, make_compressor(exact.compressor), tiny_handle)
     assert e["delta_nll"] == 0.0 and e["delta_nll_ci"] == [0.0, 0.0] and e["delta_nll_verdict_1pct"] == "within"
+
+
+def test_documents_are_a_level_of_the_resampling():
+    # each document shifts all its tokens by its own offset: the text varies between documents, and only an
+    # interval that draws documents sees that variation
+    rng = np.random.default_rng(4)
+    offsets = rng.normal(0, 0.05, 8)
+    windows = [off + rng.normal(0, 0.5, 256) for off in offsets for _ in range(2)]  # two windows per document
+    docs = np.repeat(np.arange(8), 2)
+    two_level = document_bootstrap_ci(windows, docs, block=32)
+    blocks_only = block_bootstrap_ci(windows, block=32)
+    assert (two_level[1] - two_level[0]) > 1.5 * (blocks_only[1] - blocks_only[0])
+    # one document: the block bootstrap of it; every window its own document by default
+    assert document_bootstrap_ci(windows, np.zeros(16, dtype=int), block=32) == blocks_only
+    assert document_bootstrap_ci(windows, block=32) == document_bootstrap_ci(windows, np.arange(16), block=32)
+    with pytest.raises(ValueError, match="one document per window"):
+        document_bootstrap_ci(windows, docs[:3])
+
+
+def test_two_level_interval_covers_the_mean_over_documents():
+    # documents drawn from a population with a between-document spread; the truth is the population mean
+    rng = np.random.default_rng(6)
+    hits = blocks_hits = 0
+    for i in range(200):
+        windows = [rng.normal(0.02 + rng.normal(0, 0.05), 0.4, 128) for _ in range(12)]
+        low, high = document_bootstrap_ci(windows, block=16, resamples=500, seed=i)
+        hits += low <= 0.02 <= high
+        low, high = block_bootstrap_ci(windows, block=16, resamples=500, seed=i)
+        blocks_hits += low <= 0.02 <= high
+    assert hits / 200 >= 0.92 and blocks_hits / 200 < 0.85  # blocks alone miss the between-document spread
+
+
+def test_windows_are_assigned_the_documents_they_were_drawn_from(tmp_path):
+    from omegaconf import OmegaConf
+
+    from kvbench.measure.run import window_documents
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join('{"text": "%s"}\n' % ("word " * 50) for _ in range(3)))
+    ds = lambda n_seq, n_cal: OmegaConf.create({"name": "text", "path": str(path), "field": "text",  # noqa: E731
+                                                "n_sequences": n_seq, "n_calib": n_cal})
+    assert window_documents(ds(2, 1), 2).tolist() == [0, 1]  # three documents, three windows: one each
+    assert window_documents(ds(4, 2), 4).tolist() == [0, 0, 1, 1]  # six windows of three documents: two each
+    gone = OmegaConf.create({"name": "text", "path": str(tmp_path / "gone.txt"), "field": "text", "n_sequences": 2, "n_calib": 0})
+    assert window_documents(gone, 2).tolist() == [0, 1]

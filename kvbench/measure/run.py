@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from kvbench.coding.bitstream import Bitstream
@@ -23,11 +24,13 @@ from kvbench.core.compressor import Compressor, SetCompressor
 from kvbench.core.items import Item, Source
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.timing import Stopwatch
+from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, load_or_capture
+from kvbench.inputs.data import load_documents
 from kvbench.inputs.models import ModelHandle
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.metrics.distortion import DistortionAccumulator
-from kvbench.measure.metrics.intervals import NLL_TOLERANCE, block_bootstrap_ci, detectable_from_ci, verdict
+from kvbench.measure.metrics.intervals import NLL_TOLERANCE, detectable_from_ci, document_bootstrap_ci, verdict
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
 from kvbench.measure.metrics.task_loss import continuation_nlls
 from kvbench.store.results import git_sha
@@ -42,8 +45,23 @@ def trace_source(cfg: Any, handle: ModelHandle) -> Source:
     items = [Item(s.kv, s.kv.n_tokens, s.continuation if cfg.metrics.nll else None) for s in ev]
     lp = torch.cat([s.logprobs for s in ev])
     fields = {"bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
-              "trace": str(trace.path), "trace_captured": trace.captured}
+              "trace": str(trace.path), "trace_captured": trace.captured,
+              "eval_documents": window_documents(OmegaConf.create(trace.manifest["dataset"]), len(ev)).tolist()}
     return Source(items, lambda: [s.kv for s in trace.calib], fields, str(trace.path))
+
+
+def window_documents(ds: Any, n: int) -> np.ndarray:
+    """The document each of a capture's first ``n`` windows comes from, by the rule ``sample_windows`` draws them
+    with: one window per document when the dataset has at least as many documents as windows, else runs of
+    ``ceil(windows / documents)`` consecutive windows per document (exact when every document it visits holds
+    that many; a shorter one gives fewer, and the runs after it shift)."""
+    total = int(ds.n_sequences) + int(ds.n_calib)
+    try:
+        n_docs = len(load_documents(ds))
+    except (AssetError, OSError, ValueError):  # a trace whose text is not here: call every window a document
+        return np.arange(n)
+    per_doc = 1 if n_docs >= total else -(-total // max(n_docs, 1))
+    return np.arange(n) // per_doc
 
 
 #: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every
@@ -170,12 +188,13 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
         "dropped_fraction": dist.dropped_fraction("k"),
-        **task_loss(nll_base, nll_comp, cfg.metrics),
+        **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
         "nll_compressed_reused": reused,
         **source.fields,
         "dtype": cfg.dtype,
         "device": cfg.device,
         "compressor_params": compressor.describe(),
+        "compressor_facts": compressor.facts(round(n_tok / max(len(kvs), 1))),
         "compressor_stats": codec.stats(),
         "model_loaded": handle.loaded,
         "git_sha": git_sha(),
@@ -184,9 +203,10 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     return summary, dist.rows()
 
 
-def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any) -> dict:
+def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any, documents: Sequence[int] | None = None) -> dict:
     """Mean NLL with and without compression over every scored token, the paired difference with its 95%
-    block-bootstrap interval (:mod:`kvbench.measure.metrics.intervals`), and the verdict against the 1% line."""
+    interval resampling documents and blocks within them (:mod:`kvbench.measure.metrics.intervals`; ``documents``:
+    each window's document, None: one each), and the verdict against the 1% line."""
     if not nll_base:
         nan = math.nan
         return {"nll_base": nan, "nll_compressed": nan, "delta_nll": nan, "delta_nll_ci": [nan, nan],
@@ -194,14 +214,16 @@ def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: A
     block, resamples, seed = int(metrics.ci_block), int(metrics.ci_resamples), int(metrics.ci_seed)
     base, comp = np.concatenate(nll_base), np.concatenate(nll_comp)
     diffs = [c - b for b, c in zip(nll_base, nll_comp)]
-    delta_ci = block_bootstrap_ci(diffs, block, resamples, seed)
+    docs = None if documents is None else list(documents)[: len(diffs)]
+    delta_ci = document_bootstrap_ci(diffs, docs, block, resamples, seed)
     nll_base_mean = float(base.mean())
     return {
         "nll_base": nll_base_mean,
         "nll_compressed": float(comp.mean()),
         "delta_nll": float(comp.mean() - nll_base_mean),
         "delta_nll_ci": delta_ci,
-        "nll_base_ci": block_bootstrap_ci(nll_base, block, resamples, seed),
+        "nll_base_ci": document_bootstrap_ci(nll_base, docs, block, resamples, seed),
+        "eval_documents_n": len(set(range(len(diffs)) if docs is None else docs)),
         "eval_tokens": int(base.size),
         "ci_block_tokens": block,
         "delta_nll_verdict_1pct": verdict(delta_ci, NLL_TOLERANCE * nll_base_mean),

@@ -1,11 +1,14 @@
-"""Hydra entry points for ``run``, ``eval``, ``latency``, ``restore`` and ``capture``. Thin: each measuring command is one cell
-through :func:`cell`, which reuses a finished run of the same config or measures and writes one
-(:mod:`kvbench.store.results`); the work is in ``kvbench.measure.run``, ``kvbench.measure.evaluation.evaluate``, ``kvbench.measure.latency`` and ``kvbench.measure.restore``.
+"""The Hydra commands of ``python -m kvbench``: those with a config in :data:`kvbench.sweep.commands.COMMANDS` (``run``,
+``eval``, ``latency``, ``restore``, ``capture``), each an entry point made by :func:`hydra_entry` for its config.
+Thin: a measuring command is one cell through :func:`cell`, which reuses a finished run of the same config or
+measures and writes one (:mod:`kvbench.store.results`) with the measuring function the table names.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -13,6 +16,7 @@ from omegaconf import DictConfig
 
 from kvbench.core.config import CONFIG_DIR
 from kvbench.inputs.assets import AssetError
+from kvbench.sweep.commands import COMMANDS, function, measuring
 
 USER_ERRORS = (ValueError, AssetError, FileNotFoundError)
 
@@ -37,7 +41,6 @@ def _sweep_cell() -> bool:
 
 def cell(kind: str, cfg: DictConfig) -> None:
     """Reuse the newest finished run of this config (``metrics.resume``) or measure one and write it."""
-    from kvbench.store.results import kind_of
     from kvbench.sweep.cells import formatter, run_cell
 
     in_sweep = _sweep_cell()
@@ -52,31 +55,11 @@ def cell(kind: str, cfg: DictConfig) -> None:
         print(f"reusing finished run {out.path} (same config, code {out.summary.get('git_sha', '?')[:12]}; "
               "metrics.resume=code reuses only runs of this code version, metrics.resume=false recomputes)")
     print(formatter(kind)(out.summary))
-    print(f"  -> {out.path / kind_of(kind).summary}")
+    print(f"  -> {out.path / measuring(kind).kind.summary}")
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
-def _run(cfg: DictConfig) -> None:
-    cell("run", cfg)
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="eval", version_base="1.3")
-def _eval(cfg: DictConfig) -> None:
-    cell("eval", cfg)
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="latency", version_base="1.3")
-def _latency(cfg: DictConfig) -> None:
-    cell("latency", cfg)
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="restore", version_base="1.3")
-def _restore(cfg: DictConfig) -> None:
-    cell("restore", cfg)
-
-
-@hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
-def _capture(cfg: DictConfig) -> None:
+def capture_trace(cfg: DictConfig) -> None:
+    """``python -m kvbench capture``: capture (or reuse) the config's KV trace and say where it is."""
     from kvbench.inputs.capture import capture, default_trace_dir
     from kvbench.inputs.models import ModelHandle
 
@@ -91,27 +74,23 @@ def _capture(cfg: DictConfig) -> None:
           f"{m['prefill_tokens_per_s']:.0f} tok/s")
 
 
-def _hydra(entry, argv: list[str], prog: str) -> int:
-    sys.argv = [prog, *argv]
-    entry()
+def hydra_entry(config_name: str, body: Callable[[DictConfig], None]) -> Callable[[], None]:
+    """A ``hydra.main`` entry point: it composes ``configs/<config_name>.yaml`` with the overrides in ``sys.argv``
+    (every cell of a multirun with ``-m``) and runs ``body`` on each composed config."""
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
+    def entry(cfg: DictConfig) -> None:
+        body(cfg)
+
+    return entry
+
+
+def main(name: str, argv: list[str]) -> int:
+    """``python -m kvbench NAME ARGV`` for a command with a Hydra config."""
+    command = COMMANDS[name]
+    if command.config is None:
+        raise ValueError(f"command {name!r} has no Hydra config; it parses its own arguments")
+    body = functools.partial(cell, name) if command.measure else function(command.main)
+    sys.argv = [f"kvbench-{name}", *argv]
+    hydra_entry(command.config, body)()
     return 0
-
-
-def run_main(argv: list[str]) -> int:
-    return _hydra(_run, argv, "kvbench-run")
-
-
-def eval_main(argv: list[str]) -> int:
-    return _hydra(_eval, argv, "kvbench-eval")
-
-
-def latency_main(argv: list[str]) -> int:
-    return _hydra(_latency, argv, "kvbench-latency")
-
-
-def restore_main(argv: list[str]) -> int:
-    return _hydra(_restore, argv, "kvbench-restore")
-
-
-def capture_main(argv: list[str]) -> int:
-    return _hydra(_capture, argv, "kvbench-capture")

@@ -1,4 +1,5 @@
-"""The command line as a user types it, on the real packaged model (subprocesses: each loads the model once)."""
+"""The command line as a user types it: the command table behind ``python -m kvbench``, and the commands on the real
+packaged model (subprocesses: each loads the model once)."""
 
 import json
 import os
@@ -6,8 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
-pytestmark = pytest.mark.integration
 
 SMALL = ["dataset.n_sequences=1", "dataset.n_calib=0", "dataset.seq_len=128", "dataset.eval_len=16"]
 
@@ -17,6 +16,33 @@ def _kvbench(*args, env_extra=None):
     return subprocess.run([sys.executable, "-m", "kvbench", *args], capture_output=True, text=True, env=env, timeout=600)
 
 
+def test_help_lists_every_command_of_the_table_once_in_its_order(capsys):
+    from kvbench.__main__ import main
+    from kvbench.sweep.commands import COMMANDS
+
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "usage: python -m kvbench {run,capture,assets,eval,latency,restore,report,bound} ..."
+    assert [ln.split()[0] for ln in lines[2:]] == list(COMMANDS)
+    assert main(["bogus"]) == 2 and "unknown subcommand 'bogus'" in capsys.readouterr().err
+
+
+def test_every_kind_of_run_is_measured_by_the_command_of_its_name_and_every_named_function_exists():
+    from kvbench.core.config import CONFIG_DIR
+    from kvbench.store.results import KINDS
+    from kvbench.sweep.commands import COMMANDS, MEASURING, function
+
+    assert {name: c.kind for name, c in MEASURING.items()} == KINDS
+    for c in COMMANDS.values():
+        if c.measure is not None:  # one cell through the Hydra config of its name
+            assert c.config == c.name and c.format and c.kind and c.main is None, c
+        else:  # its own body: on the composed config (capture) or on its argv
+            assert c.main and c.format is None and c.kind is None, c
+        assert c.config is None or (CONFIG_DIR / f"{c.config}.yaml").is_file(), c
+        assert all(callable(function(ref)) for ref in (c.main, c.measure, c.format) if ref), c
+
+
+@pytest.mark.integration
 def test_capture_then_run_on_the_stored_trace(tmp_path):
     trace = tmp_path / "trace"
     cap = _kvbench("capture", *SMALL, f"trace={trace}")
@@ -36,6 +62,7 @@ def test_capture_then_run_on_the_stored_trace(tmp_path):
     assert "reusing finished run" in again.stdout
 
 
+@pytest.mark.integration
 def test_user_errors_exit_2_with_the_allowed_values():
     bad = _kvbench("run", "+compressor=kivi", "compressor.bits=9")
     assert bad.returncode == 2 and "1 <= bits <= 8" in bad.stderr

@@ -3,41 +3,22 @@ of it or measure and write one. The CLI, sweeps and study scripts all go through
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from kvbench.core.config import compose, make_compressor
 from kvbench.store.results import Outcome, cell_key, latest, reuse_or_measure, root_of
-
-#: kind -> (config name, measuring function, terminal formatter)
-COMMANDS = {
-    "run": ("run", "kvbench.measure.run:measure", "kvbench.measure.run:format_summary"),
-    "eval": ("eval", "kvbench.measure.evaluation.evaluate:evaluate", "kvbench.measure.evaluation.evaluate:format_eval"),
-    "latency": ("latency", "kvbench.measure.latency:measure_latency", "kvbench.measure.latency:format_latency"),
-    "restore": ("restore", "kvbench.measure.restore:measure_restore", "kvbench.measure.restore:format_restore"),
-}
-
-
-def _function(ref: str) -> Any:
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _command(kind: str) -> tuple[str, str, str]:
-    if kind not in COMMANDS:
-        raise ValueError(f"unknown command {kind!r}; one of {sorted(COMMANDS)}")
-    return COMMANDS[kind]
+from kvbench.sweep.commands import function, measuring
 
 
 def compose_cell(kind: str, overrides: list[str]) -> Any:
     """The config ``python -m kvbench KIND OVERRIDES`` would run."""
-    return compose(list(overrides), config_name=_command(kind)[0])
+    return compose(list(overrides), config_name=measuring(kind).config)
 
 
 def formatter(kind: str):
-    return _function(_command(kind)[2])
+    return function(measuring(kind).format)
 
 
 def key_of(cfg: Any) -> str:
@@ -48,7 +29,7 @@ def key_of(cfg: Any) -> str:
 def finished(kind: str, cfg: Any, same_code: bool = False) -> dict | None:
     """The newest finished run of the cell ``cfg`` under its results root (any code version unless
     ``same_code``), or None: what :func:`run_cell` would reuse."""
-    _command(kind)
+    measuring(kind)
     return latest(root_of(OmegaConf.to_container(cfg, resolve=True)), kind, key_of(cfg), same_code=same_code)
 
 
@@ -59,7 +40,7 @@ def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra:
     fields (e.g. the machine's load while it ran) added to the measured summary."""
     compressor = make_compressor(cfg.get("compressor"))
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    measure = _function(_command(kind)[1])
+    measure = function(measuring(kind).measure)
     resume = cfg.metrics.resume if resume is None else resume
 
     def measured() -> tuple[dict, list[dict]]:

@@ -25,12 +25,13 @@ from omegaconf import OmegaConf
 from kvbench.core.config import CONFIG_DIR
 from kvbench.store.locking import LOCK, bench_lock
 from kvbench.store.results import Outcome, resume_mode
-from kvbench.sweep.cells import COMMANDS, compose_cell, finished, key_of, run_cell
+from kvbench.sweep.cells import compose_cell, finished, key_of, run_cell
+from kvbench.sweep.commands import MEASURING, measuring
 
 
 @dataclass(frozen=True)
 class Preset:
-    kind: str  # the measuring command: run | eval | latency
+    kind: str  # the measuring command (kvbench.sweep.commands.MEASURING): run | eval | latency | restore
     name: str  # configs/experiment/<name>.yaml
 
 
@@ -54,7 +55,7 @@ def sweep_params(preset: Preset) -> dict[str, str]:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
-        cfg = compose(config_name=COMMANDS[preset.kind][0], overrides=[f"+experiment={preset.name}"],
+        cfg = compose(config_name=measuring(preset.kind).config, overrides=[f"+experiment={preset.name}"],
                       return_hydra_config=True)
     params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
     return {str(k): str(v) for k, v in params.items()}
@@ -79,7 +80,7 @@ def fitting(kind: str, overrides: Sequence[str]) -> list[str]:
     """``overrides`` less those whose key only other commands have: a report given the overrides of every study of a
     run (``limit=1`` for the eval cells, ``dataset.seq_len=512`` for all) applies to each preset those of its own
     command. A key no command has (``compressor.variant``) stays, so the presets it does not fit show nothing."""
-    bases = {k: _composed(k, ()) for k in COMMANDS}
+    bases = {k: _composed(k, ()) for k in MEASURING}
 
     def has(cfg: Any, key: str) -> bool:
         return OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING

@@ -259,7 +259,8 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
 
     from kvbench.core.config import make_compressor
 
-    params = make_compressor(cell.cfg.compressor).describe()
+    compressor = make_compressor(cell.cfg.compressor)
+    params = compressor.describe()
     s = {"compressor": params["name"], "model": "smollm2_135m", "dataset": "sotu", "compressor_params": params,
          "cell_key": cell.key, "created": "2026-01-01T00:00:00", "config": OmegaConf.to_container(cell.cfg, resolve=True)}
     bits = 1.0 + i % 7
@@ -282,7 +283,8 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
              delta_nll=0.01 * (i % 5), nll_base=3.16, rel_mse_k=0.01, rel_mse_v=0.02, encode_MBps=80.0 + i,
              decode_MBps=150.0, encode_s=4.0, decode_s=2.0 + i, dtype="float16", trace="/t/smollm2-sotu-aaaa",
              side_info_bits=1000 * i, bits_by_part={"codes": 7e7, "frame": 2e3}, stream_bits_per_element=bits - 0.1,
-             codec_bits=1000 * i, delta_nll_ci=[0.01 * (i % 5) - 0.005, 0.01 * (i % 5) + 0.005])
+             codec_bits=1000 * i, delta_nll_ci=[0.01 * (i % 5) - 0.005, 0.01 * (i % 5) + 0.005],
+             compressor_facts=compressor.facts(n_tok // 4))
     if "keep" in params:  # eviction: the kept positions' bits
         s.update(compressor_stats={"positions_bits": 1e6}, n_elements=n_tok * 11520)
     if s["compressor"] in ("delta", "speculative"):  # residual coders: where their bits go

@@ -131,3 +131,36 @@ def test_few_top_level_modules_and_short_modules():
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _compressor_names() -> set[str]:
+    return {p.stem for p in (ROOT / "configs" / "compressor").glob("*.yaml")}
+
+
+#: string constants in harness code that equal a compressor's name for another reason: summary keys of the contract
+NOT_A_COMPRESSOR = {"lossless"}  # summary.json's bit-exact flag
+
+
+def test_no_compressor_is_named_in_harness_or_report_code():
+    """The harness and the report read what they need of a compressor from the compressor (its flags, facts and
+    methods), never by its name: a new compressor needs no edit in kvbench/."""
+    names = _compressor_names() - NOT_A_COMPRESSOR
+    found = []
+    for m, p in _modules().items():
+        if not m.startswith("kvbench"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not found, "compressor names in kvbench/:\n" + "\n".join(found)
+
+
+def test_each_compressor_config_is_named_as_its_class_and_declares_a_family():
+    import hydra.utils
+    from omegaconf import OmegaConf
+
+    families = {"quantizer", "transform", "predictive", "exact", "dedup", "eviction"}
+    for name in sorted(_compressor_names()):
+        cls = hydra.utils.get_class(OmegaConf.load(ROOT / "configs" / "compressor" / f"{name}.yaml")["_target_"])
+        assert cls.name == name, f"configs/compressor/{name}.yaml selects {cls.__name__}, named {cls.name!r}"
+        assert cls.family in families, f"{cls.__name__}.family={cls.family!r}; one of {sorted(families)}"

@@ -54,6 +54,7 @@ class Pipeline(SetCompressor):
     dedup: Any = "trie"
 
     name = "pipeline"
+    family = "dedup"
 
     def __post_init__(self) -> None:
         self.inner = resolve_compressor(self.inner, "pipeline.inner")

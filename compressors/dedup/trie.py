@@ -62,6 +62,7 @@ class Trie(SetCompressor):
     verify_kv: bool = True
 
     name = "trie"
+    family = "dedup"
     lossless = True
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ from compressors.eviction.kept_positions import GAPS, decode_positions, encode_p
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_range
-from kvbench.core.compressor import Compressor, Section, SetCompressor
+from kvbench.core.compressor import Compressor, Kept, Section, SetCompressor
 from kvbench.core.kv import Context, KVSequence
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -109,6 +109,12 @@ class Eviction(Compressor):
     keep: float = 0.5
     inner: Any = None
 
+    family = "eviction"
+    #: how tables name the protected last tokens: an observation window (``last``) or the newest tokens (``recent``)
+    window_word = "last"
+    #: True for the method that keeps tokens regardless of content: the chance line the others are compared with
+    random_baseline = False
+
     def __post_init__(self) -> None:
         if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or not 0 < self.keep <= 1:
             raise ValueError(f"{self.name}.keep={self.keep!r} is out of range; allowed: 0 < keep <= 1 "
@@ -135,6 +141,23 @@ class Eviction(Compressor):
     def protected(self, n_tokens: int, n_keep: int) -> tuple[int, int]:
         """``(sinks, window)``: how many first and last tokens are always kept (fields of the same names)."""
         return int(getattr(self, "sinks", 0)), int(getattr(self, "window", 0))
+
+    def always_kept(self, n_tokens: int) -> Kept:
+        sinks, window = self.protected(n_tokens, math.floor(self.keep * n_tokens + 0.5))
+        return Kept(sinks, window, self.window_word)
+
+    def kept_coding(self) -> str:
+        """How the kept KV is stored: ``16-bit``, or the inner coder and its bits (``turboquant 3-bit``)."""
+        if self.inner is None:
+            return "16-bit"
+        bits = getattr(self.inner, "bits", None)
+        return self.inner.name if bits is None else f"{self.inner.name} {bits:g}-bit"
+
+    def label(self) -> str:
+        return self.name if self.inner is None else f"{self.name} + {self.kept_coding()}"
+
+    def facts(self, n_tokens: int) -> dict[str, Any]:
+        return {**super().facts(n_tokens), "kept_coding": self.kept_coding(), "random_baseline": self.random_baseline}
 
     def kept_mask(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         """The ``(L, H, T)`` bool mask the encoder keeps."""

@@ -25,6 +25,7 @@ class H2O(Eviction):
 
     name = "h2o"
     needs_model = True
+    window_word = "recent"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,6 +18,7 @@ class RandomEviction(Eviction):
     seed: int = 0
 
     name = "random_eviction"
+    random_baseline = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,11 +3,13 @@ tokens."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from compressors.eviction.evict import Eviction
+from kvbench.core.compressor import Kept
 from kvbench.core.kv import Context, KVSequence
 
 
@@ -20,6 +22,10 @@ class StreamingLLM(Eviction):
     sinks: int = 4
 
     name = "streaming_llm"
+
+    def always_kept(self, n_tokens: int) -> Kept:
+        k = math.floor(self.keep * n_tokens + 0.5)
+        return Kept(self.sinks, k - self.sinks)
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         L, H, T, _ = kv.shape

@@ -16,6 +16,7 @@ class Identity(Compressor):
     """Stores K and V verbatim in the cache dtype; bit-exact, ratio 1.0 up to the frame."""
 
     name = "identity"
+    family = "exact"
     lossless = True
 
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:

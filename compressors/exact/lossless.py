@@ -72,6 +72,7 @@ class Lossless(Compressor):
     histogram: str = "auto"
 
     name = "lossless"
+    family = "exact"
     lossless = True
 
     def __post_init__(self) -> None:

@@ -90,6 +90,7 @@ class Recompute(Compressor):
     threads: int = 1
 
     name = "recompute"
+    family = "exact"
     needs_model = True
 
     def __post_init__(self) -> None:

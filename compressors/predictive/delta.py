@@ -70,6 +70,7 @@ class Delta(Compressor):
     exact_coder: str = "planes"
 
     name = "delta"
+    family = "predictive"
 
     def __post_init__(self) -> None:
         if self.predictor == "model":

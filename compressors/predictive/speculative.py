@@ -100,6 +100,7 @@ class Speculative(Compressor):
     step: float = 0.0
 
     name = "speculative"
+    family = "predictive"
     needs_model = True
 
     def __post_init__(self) -> None:

@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.coding.bitstream import Bitstream
-from kvbench.core.checks import check_choice
-from kvbench.core.compressor import Compressor
+from kvbench.coding.bitstream import Bitstream, BitstreamError
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
+from kvbench.core.checks import check_choice, check_range
+from kvbench.core.compressor import Compressor, Kept
 from kvbench.core.kv import Context, KVSequence
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -14,25 +15,43 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @dataclass
 class FP8(Compressor):
-    """Every 16-bit value rounded to an 8-bit float (saturating, no scales): 8 bits per element."""
+    """Every 16-bit value rounded to an 8-bit float (saturating, no scales): 8 bits per element, except the most
+    recent ``window`` tokens, stored exactly in the cache dtype."""
 
     format: str = "e4m3"
+    window: int = 0
 
     name = "fp8"
+    family = "quantizer"
 
     def __post_init__(self) -> None:
         check_choice("fp8", "format", self.format, FORMATS)
+        check_range("fp8", "window", self.window, 0, 1 << 30, integer=True)
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        return Kept(recent=min(self.window, n_tokens))
 
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
-        def raw(x):  # (L, H, T, D) -> one byte per element
-            return x.to(FORMATS[self.format]).view(torch.uint8).numpy().tobytes()
+        n = ctx.n_tokens - self.exact_tokens(ctx.n_tokens).recent  # tokens rounded to FP8; the rest stay exact
 
-        return Bitstream.pack(self.name, {"k": raw(kv.k), "v": raw(kv.v)})
+        def raw(x):  # (L, H, n, D) -> one byte per element
+            return x[:, :, :n].to(FORMATS[self.format]).view(torch.uint8).numpy().tobytes()
+
+        exact = {"k.exact": tensor_to_bytes(kv.k[:, :, n:]), "v.exact": tensor_to_bytes(kv.v[:, :, n:])}
+        return Bitstream.pack(self.name, {"k": raw(kv.k), "v": raw(kv.v), **(exact if n < ctx.n_tokens else {})})
 
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
-        def back(raw):  # one byte per element -> (L, H, T, D) in the cache dtype
-            codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(FORMATS[self.format])
-            return codes.reshape(ctx.shape).to(ctx.dtype)
-
+        L, H, T, D = ctx.shape
+        n = T - self.exact_tokens(T).recent
         sec = bs.sections(expect=self.name)
-        return KVSequence(back(sec["k"]), back(sec["v"]))
+
+        def back(kind):  # one byte per element and the exact window's bytes -> (L, H, T, D) in the cache dtype
+            if len(sec[kind]) != L * H * n * D:
+                raise BitstreamError(f"fp8: {len(sec[kind])} {kind} code bytes for {L}x{H}x{n}x{D} elements")
+            codes = torch.frombuffer(bytearray(sec[kind]), dtype=torch.uint8).view(FORMATS[self.format])
+            parts = [codes.reshape(L, H, n, D).to(ctx.dtype)]
+            if n < T:
+                parts.append(tensor_from_bytes(sec[f"{kind}.exact"], ctx.dtype, (L, H, T - n, D)))
+            return torch.cat(parts, dim=2)
+
+        return KVSequence(back("k"), back("v"))

@@ -16,7 +16,7 @@ import torch
 from kvbench.coding.bitstream import Bitstream
 from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes, unpack_codes_tensor
 from kvbench.core.checks import check_range
-from kvbench.core.compressor import Compressor
+from kvbench.core.compressor import Compressor, Kept
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.resident import Layered
 
@@ -51,12 +51,16 @@ class KIVI(Compressor):
     residual: int = 128
 
     name = "kivi"
+    family = "quantizer"
 
     def __post_init__(self) -> None:
         check_range("kivi", "bits", self.bits, 1, 8, integer=True)
         check_range("kivi", "group_size", self.group_size, 1, 1 << 16, integer=True)
         check_range("kivi", "residual", self.residual, 0, 1 << 30, integer=True)
         self.bits, self.group_size, self.residual = int(self.bits), int(self.group_size), int(self.residual)
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        return Kept(recent=self.residual)
 
     def recent_window(self) -> int:
         return self.residual

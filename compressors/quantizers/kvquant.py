@@ -254,6 +254,7 @@ class KVQuant(Compressor):
     pre_rope: bool = True
 
     name: ClassVar[str] = "kvquant"
+    family: ClassVar[str] = "quantizer"
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

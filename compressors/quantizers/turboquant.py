@@ -123,6 +123,10 @@ class TurboQuant(Compressor):
     entropy_coding: bool = False
 
     name: ClassVar[str] = "turboquant"
+    family: ClassVar[str] = "quantizer"
+
+    def label(self) -> str:
+        return f"{self.name} (range-coded)" if self.entropy_coding else self.name
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):

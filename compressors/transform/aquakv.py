@@ -90,7 +90,7 @@ from compressors.transform.aquakv_predict import one_thread, predict, real_weigh
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_choice, check_range
-from kvbench.core.compressor import Compressor, Section
+from kvbench.core.compressor import Compressor, Kept, Section
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.rope import Rotary
 
@@ -139,6 +139,7 @@ class AquaKV(Compressor):
     seed: int = 0
 
     name: ClassVar[str] = "aquakv"
+    family: ClassVar[str] = "transform"
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -286,6 +287,9 @@ class AquaKV(Compressor):
             return kv.k_pre_rope
         raise ValueError("aquakv.fit needs pre-RoPE calibration keys: call fit(calib, config=model_config), capture "
                          "the calibration windows with capture.pre_rope=true, or set compressor.pre_rope=false")
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        return Kept(sinks=self.sinks)
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Fit the predictors layer by layer on calibration caches reconstructed by this codec (closed loop).

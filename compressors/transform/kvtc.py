@@ -78,7 +78,7 @@ from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes, unpack_codes
 from kvbench.core.checks import check_choice, check_range
-from kvbench.core.compressor import Compressor, Section
+from kvbench.core.compressor import Compressor, Kept, Section
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.rope import Rotary
 
@@ -136,6 +136,7 @@ class Kvtc(Compressor):
     undo_rope: bool = True
 
     name: ClassVar[str] = "kvtc"
+    family: ClassVar[str] = "transform"
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -161,6 +162,12 @@ class Kvtc(Compressor):
         self._rotary: tuple[Any, Rotary] | None = None
 
     # ---- fitting ------------------------------------------------------------------------------------------------
+
+    def label(self) -> str:
+        return self.name if self.window else f"{self.name} (no window)"
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        return Kept(self.sinks, self.window)
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Fit means, bases, steps, widths and histograms on calibration windows (each starting at position 0).

@@ -4,13 +4,10 @@ and the one copy that joins the compressed prefix, the window and the new tokens
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
-
-if TYPE_CHECKING:
-    from kvbench.cache.compressed import CompressedCache
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -50,7 +47,8 @@ class CompressedLayer(CacheLayerMixin):
         parts = self._owner()._layer_parts(self._index)[which] if self.prefix_len else []
         return assemble([*parts, (self.window_k, self.window_v)[which]], self.compute_dtype)
 
-    def bind(self, owner: CompressedCache, index: int) -> None:
+    def bind(self, owner: Any, index: int) -> None:
+        """``owner``: the :class:`~kvbench.cache.compressed.CompressedCache` holding the segments."""
         self._owner, self._index = weakref.ref(owner), index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, store: torch.dtype | None = None) -> None:

@@ -26,6 +26,22 @@ if TYPE_CHECKING:
 Section = bytes | tuple[bytes, int]
 
 
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """Tokens kept by position whatever their content: the first ``sinks`` and the last ``recent`` of a sequence;
+    ``recent_word`` is how tables name the last ones (``recent``: the newest tokens; ``last``: an observation
+    window)."""
+
+    sinks: int = 0
+    recent: int = 0
+    recent_word: str = "recent"
+
+    def text(self) -> str:
+        """``4 sinks + 128 recent``, or ``none``."""
+        parts = [f"{self.sinks} sinks"] * (self.sinks > 0) + [f"{self.recent} {self.recent_word}"] * (self.recent > 0)
+        return " + ".join(parts) or "none"
+
+
 class Compressor(abc.ABC):
     """Base class. Subclasses are ``@dataclass``es whose fields are their hyperparameters."""
 
@@ -37,6 +53,8 @@ class Compressor(abc.ABC):
     needs_model: ClassVar[bool] = False
     #: True when encoder and decoder need ``ctx.config``, the model's config (e.g. to undo RoPE)
     needs_config: ClassVar[bool] = False
+    #: the family tables group it under: quantizer | transform | predictive | exact | dedup | eviction
+    family: ClassVar[str] = ""
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is
@@ -54,6 +72,28 @@ class Compressor(abc.ABC):
         decode one layer alone from it (:class:`~kvbench.core.resident.Layered`: held tensors, counted as the cache's
         bytes). None (the default): the cache keeps the bytes and decodes the whole sequence per forward pass."""
         return None
+
+    def label(self) -> str:
+        """This configuration's curve in tables and figures: the name, or the name and the variant that makes a
+        curve of its own (TurboQuant's range-coded codes)."""
+        return self.name
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        """The tokens of an ``n_tokens`` sequence this compressor stores exactly in the cache dtype (attention sinks,
+        a recent window); none by default."""
+        return Kept()
+
+    def always_kept(self, n_tokens: int) -> Kept | None:
+        """For a compressor that drops tokens, those it keeps before scoring any; None for one that keeps every
+        token."""
+        return None
+
+    def facts(self, n_tokens: int) -> dict[str, Any]:
+        """What tables say of this configuration beside its fields, for ``n_tokens``-token sequences: run summaries
+        file it under ``compressor_facts``, so that the report reads it instead of knowing compressors."""
+        kept = self.always_kept(n_tokens)
+        return {"family": self.family, "label": self.label(), "exact_tokens": self.exact_tokens(n_tokens).text(),
+                "always_kept": None if kept is None else kept.text()}
 
     def recent_window(self) -> int:
         """The most recent tokens this compressor keeps in the cache dtype itself while a cache decodes (KIVI's

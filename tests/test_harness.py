@@ -63,6 +63,8 @@ def test_identity_is_exact_with_ratio_one_and_zero_delta_nll(tiny_cfg, tiny_hand
     assert summary["compression_ratio"] < 1.0
     assert summary["total_bits"] == summary["n_elements"] * 16 + summary["bits_by_part"]["frame"]
     assert len(rows) == 2 * 2
+    assert summary["decode_flops_per_token"] == 0.0  # no model runs to decode
+    assert summary["bits_per_element_amortized"] == summary["bits_per_element"]  # nothing fitted to spread
 
 
 def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):

@@ -34,6 +34,7 @@ from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder, ideal_bits_categorical
 from kvbench.core.checks import check_range
 from kvbench.core.compressor import Compressor
+from kvbench.core.flops import forward_flops_per_token, prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.resident import Layered, restored
 from kvbench.core.timing import Stopwatch
@@ -133,6 +134,10 @@ class Recompute(Compressor):
             "crc": _checksum(tokens),
         })
 
+    def decode_flops_per_token(self, config: Any, n_tokens: int) -> float:
+        # a one-token step per id for its probabilities, then the prefill that regenerates the KV
+        return forward_flops_per_token(config, n_tokens // 2) + prefill_flops_per_token(config, n_tokens)
+
     def resident(self, bs: Bitstream, ctx: Context) -> Layered:
         return restored(self.decode(bs, ctx))  # one sequential pass and a prefill per stored segment, not per step
 
@@ -144,6 +149,11 @@ class Recompute(Compressor):
         V, T = vocab_size(model), ctx.n_tokens
         device = str(next(model.parameters()).device)
         tokens = np.zeros(T, dtype=np.int64)
+        # the lengths the shapes fix, before the model runs: the first id's bytes and the 4-byte checksum
+        first_bytes = -(-_id_bits(V) // 8) if T else 0
+        if len(sec["first"]) != first_bytes or len(sec["crc"]) != 4:
+            raise BitstreamError(f"recompute: sections first ({len(sec['first'])} bytes) and crc "
+                                 f"({len(sec['crc'])} bytes) must hold {first_bytes} and 4 bytes")
         tok_watch, prefill_watch = Stopwatch(device), Stopwatch(device)
         with tok_watch(), intra_op_threads(self.threads):
             if T:

@@ -39,6 +39,7 @@ from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import pack_codes, tensor_to_bytes, unpack_codes
 from kvbench.core.checks import check_choice, check_range
 from kvbench.core.compressor import Compressor
+from kvbench.core.flops import prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.resident import Layered, restored
 from kvbench.core.timing import Stopwatch
@@ -165,6 +166,12 @@ class Speculative(Compressor):
 
     def resident(self, bs: Bitstream, ctx: Context) -> Layered:
         return restored(self.decode(bs, ctx))  # the model runs once per stored segment, not per step
+
+    def decode_flops_per_token(self, config: Any, n_tokens: int) -> float:
+        # the cheap copy has the model's shapes: its token pass (as recompute's) or one prefill, for the prediction
+        if self.token_coding == "model":
+            return self._tokens.decode_flops_per_token(config, n_tokens)
+        return prefill_flops_per_token(config, n_tokens)
 
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
         from kvbench.inputs.capture import capture_window

@@ -95,6 +95,11 @@ class Compressor(abc.ABC):
         return {"family": self.family, "label": self.label(), "exact_tokens": self.exact_tokens(n_tokens).text(),
                 "always_kept": None if kept is None else kept.text()}
 
+    def decode_flops_per_token(self, config: Any, n_tokens: int) -> float:
+        """Model FLOPs the decoder spends per restored token of an ``n_tokens`` sequence (``config``: the model's
+        config, free); 0 for a decoder that runs no model."""
+        return 0.0
+
     def recent_window(self) -> int:
         """The most recent tokens this compressor keeps in the cache dtype itself while a cache decodes (KIVI's
         residual window); 0 when it keeps none. A resident cache keeps them in its own window instead, on

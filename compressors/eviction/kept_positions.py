@@ -125,6 +125,7 @@ def decode_positions(header: bytes, sec: Mapping[str, bytes], shape: tuple[int, 
             raise BitstreamError(f"eviction positions run past the {T} tokens of the sequence")
         mask = np.zeros((R, T), dtype=bool)
         np.put_along_axis(mask, pos, True, axis=1)
+    dec.finish("eviction positions")
     if not (mask.sum(1) == k).all():
         raise BitstreamError(f"eviction positions do not keep {k} entries in every (layer, KV head)")
     return torch.from_numpy(mask).reshape(L, H, T)

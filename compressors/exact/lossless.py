@@ -34,6 +34,7 @@ The plane coder (:mod:`compressors.exact.plane_coder`) also codes the byte plane
 from __future__ import annotations
 
 import lzma
+import math
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from compressors.exact.plane_coder import (
     to_planes,
     ungrouped,
 )
-from kvbench.coding.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.core.checks import check_choice
 from kvbench.core.compressor import Compressor
@@ -109,23 +110,31 @@ class Lossless(Compressor):
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
         sec = bs.sections(expect=self.name)
         names = plane_names(ctx.dtype, self.split)
+        size = math.prod(ctx.shape)  # bytes of one plane
         header, pos, out = sec.get("header", b""), 0, []
         for kind in ("k", "v"):
             planes = []
             for i, pname in enumerate(names):
                 key = f"{kind}.{pname}"
                 if self.coder != "range":
-                    raw = _general_decompress(self.coder, sec[key])
+                    raw = _general_decompress(self.coder, sec[key], size, key)
                     planes.append(ungrouped(np.frombuffer(raw, dtype=np.uint8), ctx.shape))
                     continue
                 shift = field_shift(ctx.dtype, self.split, i)
                 head, pos = PlaneHeader.read(header, pos, shift, "lossless")
                 if head.grouping == "raw":
+                    if len(sec[key]) != size:
+                        raise BitstreamError(f"lossless {key}: a raw plane of {len(sec[key])} bytes; the shape "
+                                             f"{tuple(ctx.shape)} has {size}")
                     planes.append(np.frombuffer(sec[key], dtype=np.uint8).reshape(ctx.shape))
                 else:
                     side, data = StreamDecoder(sec[f"{key}.hist"]), StreamDecoder(sec[key])
                     planes.append(decode_plane(head, ctx.shape, shift, side, data))
+                    side.finish(f"lossless {key}.hist")
+                    data.finish(f"lossless {key}")
             out.append(from_planes(*planes, ctx.dtype, self.split))
+        if pos != len(header):
+            raise BitstreamError(f"lossless header holds {len(header)} bytes; its plane headers take {pos}")
         return KVSequence(out[0], out[1])
 
     def stats(self) -> dict:
@@ -139,7 +148,15 @@ def _general_compress(coder: str, raw: bytes) -> bytes:
     return c.compress(raw) + c.flush()
 
 
-def _general_decompress(coder: str, raw: bytes) -> bytes:
-    if coder == "lzma":
-        return lzma.decompress(raw, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
-    return zlib.decompress(raw, wbits=-15)
+def _general_decompress(coder: str, raw: bytes, size: int, what: str) -> bytes:
+    """The ``size`` bytes of a plane from its general-purpose stream, never inflating more than one byte past
+    them (a corrupted or hostile stream could inflate to any size)."""
+    d = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS) if coder == "lzma" else \
+        zlib.decompressobj(wbits=-15)
+    try:
+        out = d.decompress(raw, size + 1)
+    except (lzma.LZMAError, zlib.error) as e:
+        raise BitstreamError(f"lossless {what}: the {coder} stream is corrupted ({e})") from e
+    if len(out) != size or not d.eof or d.unused_data:
+        raise BitstreamError(f"lossless {what}: the {coder} stream does not hold exactly the plane's {size} bytes")
+    return out

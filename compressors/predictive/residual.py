@@ -115,7 +115,10 @@ def _decode_codes(raw: bytes, n: int, owner: str) -> np.ndarray:
     if len(raw) < 2:
         raise BitstreamError(f"{owner}: scale section is truncated")
     med, spread = raw[0], raw[1]
-    return StreamDecoder(raw[2:]).laplace(n, max(spread / 16, 1e-3), 0, 255, mean=float(med)).astype(np.int64)
+    dec = StreamDecoder(raw[2:])
+    codes = dec.laplace(n, max(spread / 16, 1e-3), 0, 255, mean=float(med)).astype(np.int64)
+    dec.finish(f"{owner} scales")
+    return codes
 
 
 def _channel_mean(a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -242,8 +245,10 @@ class ResidualCoder:
                 else:
                     out[kind] = self._decode_quantized(raw, per_kind[kind], pred, shape, dtype, steps[kind],
                                                        bounds[2 * i : 2 * i + 2])
-            except AssertionError as e:  # constriction: the stream is invalid under the decoder's model
-                raise BitstreamError(self.invalid or f"{self.owner}: {e}") from e
+            except BitstreamError as e:
+                if isinstance(e.__cause__, AssertionError):  # the coder: invalid under the decoder's model
+                    raise BitstreamError(self.invalid or f"{self.owner} {kind}.residual: {e}") from e
+                raise
         return out
 
     # ---- lossless: exact values under a value-space Laplace ---------------------------------------------------
@@ -267,6 +272,7 @@ class ResidualCoder:
         for g, (idx, bg) in enumerate(zip(pred.groups(index), pred.groups(b))):
             for c in range(idx.shape[0]):
                 flat[idx[c]] = decode_values(dec, pred.predict(recon, g, c).numpy(), bg[c].numpy(), dtype)
+        dec.finish("residual")
         return recon
 
     # ---- lossy: uniform quantization of the residual, closed loop -----------------------------------------------
@@ -312,6 +318,7 @@ class ResidualCoder:
             q = torch.zeros(math.prod(shape), dtype=torch.int64)
             idx = torch.cat([g.reshape(-1) for g in idx_groups])
             q[idx] = torch.from_numpy(dec.laplace(idx.numel(), torch.cat([g.reshape(-1) for g in b_groups]).numpy(), lo, hi)).long()
+            dec.finish("residual")
             grid = torch.cumsum(q.reshape(shape), dim=2)  # (L, H, T, D) grid indices
             return (grid.double() * step).to(dtype)
         recon = torch.zeros(shape, dtype=dtype)
@@ -321,4 +328,5 @@ class ResidualCoder:
             for c in range(idx.shape[0]):
                 qi = torch.from_numpy(dec.laplace(idx.shape[1], bg[c].numpy(), lo, hi)).double()
                 flat_r[idx[c]] = (pred.predict(recon, g, c) + qi * flat_s[idx[c]]).to(dtype)
+        dec.finish("residual")
         return recon

@@ -118,6 +118,7 @@ def decode_planes(raw: bytes, pred: Predictor, shape, dtype: torch.dtype, owner:
             end += n
         else:
             planes.append(decode_plane(head, shape, s, stream, stream))
+    stream.finish(f"{owner} residual")
     m = use.numpy().reshape(L, H, 1, D)
     value = bit_patterns(from_planes(*planes, dtype, "exponent"))  # (L, H, T, D) uint16
     if not m.any():

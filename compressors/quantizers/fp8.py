@@ -48,7 +48,9 @@ class FP8(Compressor):
         def back(kind):  # one byte per element and the exact window's bytes -> (L, H, T, D) in the cache dtype
             if len(sec[kind]) != L * H * n * D:
                 raise BitstreamError(f"fp8: {len(sec[kind])} {kind} code bytes for {L}x{H}x{n}x{D} elements")
-            codes = torch.frombuffer(bytearray(sec[kind]), dtype=torch.uint8).view(FORMATS[self.format])
+            raw = bytearray(sec[kind])  # torch.frombuffer refuses an empty buffer: every token in the window
+            codes = (torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)).view(
+                FORMATS[self.format])
             parts = [codes.reshape(L, H, n, D).to(ctx.dtype)]
             if n < T:
                 parts.append(tensor_from_bytes(sec[f"{kind}.exact"], ctx.dtype, (L, H, T - n, D)))

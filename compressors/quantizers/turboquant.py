@@ -211,7 +211,10 @@ class TurboQuant(Compressor):
         raw = self._section(sec, f"{kind}.codes{g.bits}")
         if not self.entropy_coding:
             return raw
-        return StreamDecoder(raw).categorical(n * g.width, g.probs)
+        dec = StreamDecoder(raw)
+        codes = dec.categorical(n * g.width, g.probs)
+        dec.finish(f"turboquant {kind}.codes{g.bits}")
+        return codes
 
     def stats(self) -> dict[str, float]:
         """With entropy coding: the model's own estimate of each code section's size (sum of -log2 p under f_d's
@@ -281,7 +284,10 @@ class TurboQuant(Compressor):
 
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
         sec = bs.sections(expect=self.name)
-        plan = self._plan(ctx.head_dim, int.from_bytes(self._section(sec, "seed"), "little"))
+        seed = self._section(sec, "seed")
+        if len(seed) != 4:
+            raise BitstreamError(f"turboquant seed section holds {len(seed)} bytes, not 4")
+        plan = self._plan(ctx.head_dim, int.from_bytes(seed, "little"))
         L, H, T, D = ctx.shape
         n = L * H * T
         k = self._decode_part("k", sec, plan, n, ctx.dtype).view(L, H, T, D)

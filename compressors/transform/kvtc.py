@@ -356,6 +356,7 @@ class Kvtc(Compressor):
         kept = np.empty((c.order.size, n), dtype=np.float32)  # (n_kept, n)
         for width, lo, hi in c.groups:
             kept[lo:hi] = dec.categorical((hi - lo) * n, c.probs[width]).reshape(hi - lo, n)
+        dec.finish(f"kvtc {kind}.codes")
         # the centre of each bin: calibration centroids would lower the squared error, but they shrink every
         # coefficient towards the mean, a bias that attention's averaging over tokens does not cancel (measured
         # on SmolLM2 it raised delta NLL at 1 and 2 bits)

@@ -110,5 +110,10 @@ def test_data_that_does_not_fit_the_model_is_a_bitstream_error():
     with pytest.raises(entropy.BitstreamError, match="cannot be decoded under its model .AssertionError"):
         entropy.StreamDecoder(b"\xff" * 400).laplace(1000, 1.0, 0, 3)
     raw, _ = _categorical(np.zeros(50, dtype=np.int64), np.array([0.5, 0.5]))
+    # a range from a corrupted header that the coder cannot give every value a probability (it would panic)
+    with pytest.raises(entropy.BitstreamError, match=r"over \[-17, 16777231\]; the coder takes 1 to 16,777,216"):
+        entropy.StreamDecoder(raw).laplace(5, 1.0, -17, 16777231)
+    with pytest.raises(ValueError, match="the coder takes"):
+        entropy.StreamEncoder().laplace(np.zeros(3), 1.0, 0, 1 << 24)
     with pytest.raises(entropy.BitstreamError, match="not a whole number of 32-bit words"):
         entropy.StreamDecoder(raw[:-1])

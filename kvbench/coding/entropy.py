@@ -19,6 +19,8 @@ from kvbench.coding.bitstream import BitstreamError
 
 _model = constriction.stream.model
 _queue = constriction.stream.queue
+#: values a quantized Laplace may span: the coder's 24-bit probabilities give each at least one unit
+MAX_SUPPORT = 1 << 24
 
 
 def _finish(enc) -> tuple[bytes, int]:
@@ -103,6 +105,8 @@ class StreamEncoder:
 
     def laplace(self, symbols: np.ndarray, scale, lo: int, hi: int, mean=0.0) -> None:
         """Code integers in ``[lo, hi]`` under a quantized Laplace with per-symbol (or scalar) mean and scale."""
+        if not 0 <= hi - lo < MAX_SUPPORT:
+            raise ValueError(f"a Laplace coder over [{lo}, {hi}]; the coder takes 1 to {MAX_SUPPORT:,} values")
         s = np.ascontiguousarray(symbols, dtype=np.int32).reshape(-1)
         if s.size and (s.min() < lo or s.max() > hi):
             raise ValueError(f"symbols span [{s.min()}, {s.max()}], outside the coder range [{lo}, {hi}]")
@@ -123,6 +127,10 @@ def _coded(what: str = "entropy-coded section"):
         if isinstance(e, BitstreamError):
             raise
         raise BitstreamError(f"{what} cannot be decoded under its model ({type(e).__name__}: {e})") from e
+    except BaseException as e:  # a panic in the coder's Rust code surfaces as pyo3's PanicException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise BitstreamError(f"{what}: the coder refused its model ({e})") from e
 
 
 class StreamDecoder:
@@ -159,6 +167,9 @@ class StreamDecoder:
     def laplace(self, n: int, scale, lo: int, hi: int, mean=0.0) -> np.ndarray:
         if n == 0:
             return np.zeros(0, dtype=np.int32)
+        if not 0 <= hi - lo < MAX_SUPPORT:
+            raise BitstreamError(f"entropy-coded section: a Laplace coder over [{lo}, {hi}]; the coder takes "
+                                 f"1 to {MAX_SUPPORT:,} values")
         with _coded():
             model = _model.QuantizedLaplace(lo, hi)
             return self._decoder().decode(model, _as_params(mean, n), _safe_scale(scale, n)).astype(np.int32)

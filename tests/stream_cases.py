@@ -22,6 +22,17 @@ from kvbench.core.config import available, compose, make_compressor
 from kvbench.core.kv import Context, KVSequence
 
 ALL = available("compressor")
+#: other coders and compositions behind the same configs, whose streams have parsers of their own
+VARIANTS = {
+    "turboquant/entropy_coding": ("turboquant", ("compressor.entropy_coding=true",)),
+    "turboquant/prod": ("turboquant", ("compressor.variant=prod",)),
+    "delta/bits": ("delta", ("compressor.bits=4",)),
+    "delta/laplace": ("delta", ("compressor.exact_coder=laplace", "compressor.predictor=linear")),
+    "lossless/zlib": ("lossless", ("compressor.coder=zlib",)),
+    "lossless/lzma": ("lossless", ("compressor.coder=lzma",)),
+    "knorm/turboquant": ("knorm", ("compressor.inner=turboquant",)),
+    "pipeline/kivi": ("pipeline", ("compressor.inner={name:kivi,residual:16}",)),
+}
 
 
 def instantiate(name: str, overrides: tuple[str, ...] = ()) -> Compressor:
@@ -134,9 +145,10 @@ def _fit(comp: Compressor, config: Any) -> None:
 
 
 @functools.cache
-def build(name: str, overrides: tuple[str, ...] = ()) -> Case:
-    """The case of ``configs/compressor/NAME.yaml`` (with Hydra ``overrides``), built once per process."""
-    comp = instantiate(name, overrides)
+def build(name: str) -> Case:
+    """The case of ``configs/compressor/NAME.yaml``, or of a :data:`VARIANTS` key, built once per process."""
+    config, overrides = VARIANTS.get(name, (name, ()))
+    comp = instantiate(config, overrides)
     kvs, ctxs, config = _sequences(comp)
     if not comp.needs_model:
         _fit(comp, config)

@@ -1,0 +1,415 @@
+"""Every compressor's parser fed mutated streams (property-based, with hypothesis).
+
+The valid stream of every ``configs/compressor/*.yaml`` (tests/stream_cases.py) is mutated two ways:
+
+- **frame mutations**, as storage corrupts bytes: a bit flipped anywhere, the stream truncated, bytes appended.
+  The frame's length and CRC-32 checks must reject every one with a :class:`BitstreamError`.
+- **section mutations**, with the frame rebuilt around them and its checksum recomputed, as a buggy or hostile
+  writer would produce: a bit flipped or a run of bytes overwritten inside a section, a section truncated,
+  extended, dropped, added or renamed, two sections' payloads swapped, or an integer of a varint header (an index,
+  a count, a flag) changed to 0, 1, its neighbours, its double or a huge value; the same inside a stream embedded
+  whole in a section (speculative's token stream), with the inner frame rebuilt too.
+
+What a decoder must do with a section mutation:
+
+1. raise :class:`BitstreamError` or ``ValueError`` from a ``raise`` statement of kvbench or of a compressor (a
+   message that says what is wrong), never another exception type nor one thrown inside numpy, torch or the coder
+   library;
+2. stay within a CPU-time watchdog and an address-space budget (:func:`bounded`) far above what the declared
+   shapes justify (a few MB here), so a hostile count can neither hang it nor make it allocate gigabytes;
+3. or return caches of exactly the declared shapes and dtype, and then what "silently differs" can honestly mean
+   depends on the mutation:
+
+   - one that changes what a section holds as a whole (*structure*: truncated, extended, dropped, added,
+     renamed, a header integer whose varint grew or shrank): every length in a stream follows from the declared
+     shapes and the stream's own header, or ends where its coder says (an entropy coder's last word, a deflate
+     stream's end), so the decode must equal the original one (the mutation hit bytes the format never reads,
+     such as an unknown section or bytes past the end of a coder's stream). A decoder that read a wrong length
+     without noticing is a bug;
+   - one that changes values in place (*payload*: bits flipped, bytes overwritten, a header integer changed in
+     place, two sections' payloads swapped, each a valid payload of the format): a code, a scale, a seed, a
+     count, which plane is which. A format without redundancy reads them as another valid stream (a lossy
+     coder's decoder does not know what the encoder saw, so there is nothing to compare a changed value with;
+     two self-delimiting streams of one shape, such as K's and V's residuals, cannot tell which is which), and a
+     different decode of the right shape is what such a format means; where the change still makes a length
+     inconsistent the decoder must say so (rule 1). A format that carries a content check (a ``crc`` section:
+     recompute, speculative) must reject any payload change that alters its decode.
+
+Marked ``fuzz``; the example counts are fixed and the search derandomised, so a run is reproducible.
+``KVBENCH_FUZZ_EXAMPLES`` scales them (scripts/reliability.py runs more) and ``KVBENCH_FUZZ_TALLY`` names a file
+that gets one JSON line per example (what was tried and what the decoder did).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import json
+import linecache
+import os
+import resource
+import signal
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stream_cases import ALL, VARIANTS, build
+
+from compressors.exact.identity import Identity
+from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
+from kvbench.coding.packing import tensor_from_bytes
+from kvbench.core.kv import KVSequence
+
+pytestmark = pytest.mark.fuzz
+
+#: every configured compressor, and variants whose streams have parsers of their own (tests/stream_cases.py)
+CASES = ALL + list(VARIANTS)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = int(os.environ.get("KVBENCH_FUZZ_EXAMPLES", "24"))
+#: decoders that run the model one token at a time: fewer examples
+SLOW = {"recompute": 4, "speculative": 4}
+#: address space a decode may add, far above what the cases' shapes justify (their caches are under 1 MB)
+MEMORY = 768 << 20
+#: CPU seconds a decode may take before it counts as a hang (a valid one takes well under a second)
+CPU_SECONDS = 60
+
+STRUCTURE = ("truncate", "extend", "drop", "add", "rename", "varint")
+PAYLOAD = ("flip", "overwrite", "swap")
+
+
+class Hang(Exception):
+    """A decode ran past the CPU-time watchdog."""
+
+
+def _vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+@contextmanager
+def bounded(memory: int = MEMORY, cpu_seconds: float = CPU_SECONDS):
+    """Run the block with at most ``memory`` more bytes of address space (an allocation past it fails with
+    MemoryError or torch's RuntimeError, which the oracle counts as a failure) and ``cpu_seconds`` of CPU time
+    (then :class:`Hang` is raised in it). CPU time, not wall time: a loaded machine does not trip it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _vm_size() + memory
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+
+    def hang(signum, frame):
+        raise Hang(f"decode used more than {cpu_seconds} s of CPU time")
+
+    previous = signal.signal(signal.SIGVTALRM, hang)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    signal.setitimer(signal.ITIMER_VIRTUAL, cpu_seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.signal(signal.SIGVTALRM, previous)
+
+
+@functools.cache
+def _raise_lines(path: str) -> frozenset[int]:
+    """The lines of ``path`` that belong to a ``raise`` statement."""
+    tree = ast.parse(Path(path).read_text())
+    return frozenset(n for node in ast.walk(tree) if isinstance(node, ast.Raise)
+                     for n in range(node.lineno, node.end_lineno + 1))
+
+
+def _raised_by_a_raise_statement(exc: BaseException) -> tuple[bool, str]:
+    """Whether ``exc`` was raised by a ``raise`` of kvbench or compressors code (not inside a library, not by
+    a library call on that line), and where."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False, "?"
+    path = Path(tb.tb_frame.f_code.co_filename)
+    where = f"{path}:{tb.tb_lineno}: {linecache.getline(str(path), tb.tb_lineno).strip()}"
+    ours = path.is_relative_to(ROOT / "kvbench") or path.is_relative_to(ROOT / "compressors")
+    return ours and tb.tb_lineno in _raise_lines(str(path)), where
+
+
+# ---------------------------------------------------------------------------------------------- mutations
+
+
+@dataclass
+class Mutation:
+    op: str  # one of PAYLOAD or STRUCTURE, "nested:" + op inside an embedded stream
+    section: str
+    data: bytes = field(repr=False)
+    #: "payload" (every length kept) or "structure"
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or ("payload" if self.op.removeprefix("nested:") in PAYLOAD else "structure")
+
+
+def _parse(data: bytes) -> tuple[str, dict[str, tuple[bytes, int]]]:
+    stored = Bitstream.from_bytes(data)
+    return stored.compressor, {n: (raw, stored.parts[n]) for n, raw in stored.sections().items()}
+
+
+def _embedded(raw: bytes) -> bool:
+    try:
+        return raw[:3] == b"KVB" and bool(_parse(raw)[1])
+    except BitstreamError:
+        return False
+
+
+def _header_values(raw: bytes) -> list[int] | None:
+    """The section read as varints end to end, if it is a short one that reads so (a header or an index)."""
+    if not 0 < len(raw) <= 64:
+        return None
+    out, pos = [], 0
+    try:
+        while pos < len(raw):
+            (v,), pos = read_varints(raw, 1, pos)
+            out.append(v)
+    except BitstreamError:
+        return None
+    return out
+
+
+def _bits(raw: bytes) -> int:
+    return 8 * len(raw)
+
+
+@st.composite
+def section_mutation(draw, data: bytes, depth: int = 0) -> Mutation:
+    """A mutated copy of the stream ``data`` with its frame rebuilt (checksum recomputed)."""
+    name, secs = _parse(data)
+    names = list(secs)
+    nonempty = [n for n in names if secs[n][0]]
+    headers = {n: v for n in names if (v := _header_values(secs[n][0])) is not None}
+    nested = [n for n in names if depth == 0 and _embedded(secs[n][0])]
+    ops = [*(("flip", "overwrite", "truncate") if nonempty else ()), "extend", "add"]
+    ops += [*(("drop", "rename") if names else ()), *(("swap",) if len(names) > 1 else ())]
+    ops += [*(("varint",) if headers else ()), *(("nested",) if nested else ())]
+    op = draw(st.sampled_from(ops))
+    out = dict(secs)
+    if op == "nested":
+        target = draw(st.sampled_from(nested))
+        inner = draw(section_mutation(secs[target][0], depth + 1))
+        out[target] = (inner.data, _bits(inner.data))
+        return Mutation(f"nested:{inner.op}", f"{target}/{inner.section}", Bitstream.pack(name, out).data, inner.kind)
+    target = draw(st.sampled_from({"flip": nonempty, "overwrite": nonempty, "truncate": nonempty,
+                                   "varint": sorted(headers)}.get(op, names or [""])))
+    raw, nbits = secs.get(target, (b"", 0))
+    if op == "flip":
+        bit = draw(st.integers(0, 8 * len(raw) - 1))
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        out[target] = (bytes(flipped), nbits)
+    elif op == "overwrite":
+        at = draw(st.integers(0, len(raw) - 1))
+        junk = draw(st.binary(min_size=1, max_size=min(16, len(raw) - at)))
+        out[target] = (raw[:at] + junk + raw[at + len(junk):], nbits)
+    elif op == "truncate":
+        keep = draw(st.integers(0, len(raw) - 1))
+        out[target] = (raw[:keep], _bits(raw[:keep]))
+    elif op == "extend":
+        more = raw + draw(st.binary(min_size=1, max_size=16))
+        out[target or "extra"] = (more, _bits(more))
+    elif op == "drop":
+        del out[target]
+    elif op == "add":
+        new = draw(st.sampled_from([f"{target}~", f"{target}/x", "extra", "k", "header", "0/frame"]))
+        if new in out:
+            new = f"{new}~"
+        payload = draw(st.binary(min_size=0, max_size=32))
+        out[new] = (payload, _bits(payload))
+        target = new
+    elif op == "rename":
+        other = draw(st.sampled_from([n for n in names if n != target] + [f"{target}~"]))
+        out = {(f"{other}~" if n == other else other if n == target else n): v for n, v in secs.items()}
+    elif op == "swap":
+        other = draw(st.sampled_from([n for n in names if n != target]))
+        out[target], out[other] = secs[other], secs[target]
+        return Mutation(op, f"{target}<->{other}", Bitstream.pack(name, out).data)
+    else:  # varint
+        values = headers[target]
+        i = draw(st.integers(0, len(values) - 1))
+        v = values[i]
+        new = draw(st.sampled_from(sorted({0, 1, max(v - 1, 0), v + 1, 2 * v + 1, 1 << 20, 1 << 40, (1 << 62) + 1} - {v})))
+        edited = varints([*values[:i], new, *values[i + 1:]])
+        out[target] = (edited, _bits(edited))
+        kind = "payload" if len(edited) == len(raw) else "structure"
+        return Mutation(op, f"{target}[{i}]: {v} -> {new}", Bitstream.pack(name, out).data, kind)
+    return Mutation(op, target, Bitstream.pack(name, out).data)
+
+
+# ---------------------------------------------------------------------------------------------- the oracle
+
+
+def _tally(**row) -> None:
+    path = os.environ.get("KVBENCH_FUZZ_TALLY")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) and (
+        (x.kept is None and y.kept is None) or (x.kept is not None and y.kept is not None and torch.equal(x.kept, y.kept)))
+        for x, y in zip(a, b))
+
+
+def judge(case, m: Mutation, test: str) -> str:
+    """Decode ``m`` on the case's decoder and hold the result to the rules of the module docstring; returns the
+    outcome (and tallies it), fails the test otherwise."""
+    checked = "crc" in _parse(case.stream.data)[1]
+    row = {"compressor": case.name, "test": test, "op": m.op, "kind": m.kind, "section": m.section}
+    try:
+        with bounded():
+            got = case.decode(m.data)
+    except (BitstreamError, ValueError) as e:
+        ours, where = _raised_by_a_raise_statement(e)
+        if not ours or not str(e):
+            _tally(**row, outcome="failure", detail=f"{type(e).__name__} not raised by kvbench: {where}: {e}")
+            pytest.fail(f"{case.name}, {m.op} of {m.section}: {type(e).__name__} ({e}) comes from {where}, not from "
+                        "a check of kvbench or the compressor that names what is wrong")
+        outcome = "rejected: BitstreamError" if isinstance(e, BitstreamError) else "rejected: ValueError"
+        _tally(**row, outcome=outcome, detail=str(e)[:200])
+        return outcome
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - any other type is the finding (a Rust panic is a BaseException)
+        _, where = _raised_by_a_raise_statement(e)
+        _tally(**row, outcome="failure", detail=f"{type(e).__name__}: {e} at {where}"[:300])
+        pytest.fail(f"{case.name}, {m.op} of {m.section}: {type(e).__name__}: {e}\n  raised at {where}")
+    shapes = [(tuple(o.shape), o.k.dtype, o.v.dtype) for o in got]
+    declared = [(c.shape, c.dtype, c.dtype) for c in case.ctxs]
+    if shapes != declared:
+        _tally(**row, outcome="failure", detail=f"decoded {shapes}, declared {declared}")
+        pytest.fail(f"{case.name}, {m.op} of {m.section}: decoded shapes {shapes}, declared {declared}")
+    if _same(got, case.decoded):
+        _tally(**row, outcome="no-op: decodes as the original")
+        return "no-op"
+    if m.kind == "structure" or checked:
+        why = "a structure mutation" if m.kind == "structure" else "a format with a content check"
+        _tally(**row, outcome="failure", detail=f"decoded silently to another cache after {why}")
+        pytest.fail(f"{case.name}, {m.op} of {m.section}: decoded silently to another cache ({why})")
+    _tally(**row, outcome="decoded: another valid stream")
+    return "decoded"
+
+
+def _settings(examples: float):
+    return settings(max_examples=max(2, round(examples)), deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck), print_blob=True)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_frame_mutations_are_rejected_by_the_frame(name):
+    """Storage corruption: any flipped bit, truncation or extension fails the frame's checks."""
+    case = build(name)
+    data = case.stream.data
+
+    @_settings(EXAMPLES / 2)  # cheap: the frame rejects them before any decoder runs
+    @given(st.data())
+    def check(draw):
+        op = draw.draw(st.sampled_from(["flip", "truncate", "extend"]))
+        if op == "flip":
+            bit = draw.draw(st.integers(0, 8 * len(data) - 1))
+            bad = bytearray(data)
+            bad[bit // 8] ^= 1 << (bit % 8)
+            bad = bytes(bad)
+        elif op == "truncate":
+            bad = data[: draw.draw(st.integers(0, len(data) - 1))]
+        else:
+            bad = data + draw.draw(st.binary(min_size=1, max_size=64))
+        with pytest.raises(BitstreamError) as e, bounded():
+            case.decode(bad)
+        ours, where = _raised_by_a_raise_statement(e.value)
+        assert ours and "kvbench/coding/bitstream.py" in where, where
+        _tally(compressor=name, test="frame", op=op, kind="frame", section="", outcome="rejected: BitstreamError",
+               detail=str(e.value)[:200])
+
+    check()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_section_mutations_are_rejected_or_harmless(name):
+    """A rebuilt frame around mutated sections: rejected with a clear error, or a decode the rules allow."""
+    case = build(name)
+
+    @_settings(SLOW.get(name, 24) * EXAMPLES / 24)
+    @given(section_mutation(case.stream.data))
+    def check(m):
+        judge(case, m, "sections")
+
+    check()
+
+
+class _Lax(Identity):
+    """Identity whose decoder zero-pads a short section instead of refusing it."""
+
+    def decode(self, bs, ctx):
+        sec = bs.sections(expect=self.name)
+        n = 2 * ctx.n_layers * ctx.n_heads * ctx.n_tokens * ctx.head_dim
+        pad = {k: (sec[k] + bytes(n))[:n] for k in ("k", "v")}
+        return KVSequence(tensor_from_bytes(pad["k"], ctx.dtype, ctx.shape), tensor_from_bytes(pad["v"], ctx.dtype, ctx.shape))
+
+
+def _bomb(coder: str, size: int) -> bytes:
+    """A section of the general-purpose ``coder`` that inflates to ``size`` zero bytes."""
+    import lzma
+    import zlib
+
+    if coder == "zlib":  # one flushed block of zeros, repeated: a valid raw deflate stream of any length
+        c = zlib.compressobj(1, wbits=-15)
+        block = c.compress(bytes(1 << 20)) + c.flush(zlib.Z_FULL_FLUSH)
+        return block * (size >> 20) + c.flush()
+    c = lzma.LZMACompressor(format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "preset": 0}])
+    return b"".join(c.compress(bytes(1 << 24)) for _ in range(size >> 24)) + c.flush()
+
+
+@pytest.mark.parametrize("coder", ["zlib", "lzma"])
+def test_a_decompression_bomb_is_refused_before_it_inflates(coder):
+    """A byte plane of the general-purpose coders that inflates to 128 MiB where the declared shape holds 40 KB
+    is refused with a BitstreamError inside a 48 MiB address-space budget, which a valid decode fits."""
+    case = build(f"lossless/{coder}")
+    name, secs = _parse(case.stream.data)
+    with bounded(memory=48 << 20):
+        case.decode(case.stream.data)
+    bomb = _bomb(coder, 128 << 20)
+    data = Bitstream.pack(name, {**secs, "k.mant": (bomb, _bits(bomb))}).data
+    with pytest.raises(BitstreamError, match="k.mant"), bounded(memory=48 << 20):
+        case.decode(data)
+
+
+def test_the_oracle_catches_what_it_should():
+    """The oracle itself: a library's exception, a silent structural change and an allocation past the budget
+    are failures; a check's error and an ignored extra section are not."""
+    import numpy as np
+
+    case = build("identity")
+    name, secs = _parse(case.stream.data)
+    extra = Bitstream.pack(name, {**secs, "extra": (b"\x01", 8)}).data
+    assert judge(case, Mutation("add", "extra", extra), "oracle") == "no-op"
+    short = Bitstream.pack(name, {**secs, "k": (secs["k"][0][:-2], 8 * (len(secs["k"][0]) - 2))}).data
+    assert judge(case, Mutation("truncate", "k", short), "oracle").startswith("rejected")
+    with pytest.raises(MemoryError), bounded():
+        np.ones(MEMORY * 2, dtype=np.uint8)
+    try:
+        np.zeros(3).reshape(2, 2)
+    except ValueError as e:
+        assert not _raised_by_a_raise_statement(e)[0]
+    with pytest.raises(pytest.fail.Exception, match="decoded silently"):
+        judge(dataclasses.replace(case, decoder=_Lax()), Mutation("truncate", "k", short), "oracle")
+    swapped = Bitstream.pack(name, {"k": secs["v"], "v": secs["k"]}).data
+    assert Mutation("swap", "k<->v", swapped, "payload").kind == "payload"
+    assert judge(case, Mutation("swap", "k<->v", swapped, "payload"), "oracle") == "decoded"

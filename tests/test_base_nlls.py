@@ -54,9 +54,10 @@ def test_a_bit_exact_decode_reuses_the_baselines_nlls_and_a_lossy_one_is_scored(
     cfg = tiny_cfg("+compressor=identity")
     exact, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)
     windows = exact["n_sequences"]
-    # the baseline, once per window; the identical decoded caches are not scored again
-    assert len(scored) == windows and exact["nll_compressed_reused"] == windows
+    # the baseline, once per window and probe (next tokens, recall); the identical decoded caches are not scored again
+    assert len(scored) == 2 * windows and exact["nll_compressed_reused"] == windows
     assert exact["nll_compressed"] == exact["nll_base"] and exact["delta_nll"] == 0.0
+    assert exact["delta_nll_recall"] == 0.0 and exact["delta_nll_recall_ci"] == [0.0, 0.0]
     scored.clear()
     cfg = tiny_cfg("+compressor=kivi", "compressor.residual=0")  # no 16-bit window: every token quantized
     lossy, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)

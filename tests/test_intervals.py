@@ -129,3 +129,30 @@ def test_windows_are_assigned_the_documents_they_were_drawn_from(tmp_path):
     assert window_documents(ds(4, 2), 4).tolist() == [0, 0, 1, 1]  # six windows of three documents: two each
     gone = OmegaConf.create({"name": "text", "path": str(tmp_path / "gone.txt"), "field": "text", "n_sequences": 2, "n_calib": 0})
     assert window_documents(gone, 2).tolist() == [0, 1]
+
+
+def test_the_recall_probe_repeats_an_early_passage():
+    import torch
+
+    from kvbench.measure.run import recall_probe
+
+    tokens = torch.arange(100)
+    assert recall_probe(tokens, 0.1, 16).tolist() == list(range(10, 27))  # the cue and 16 scored tokens
+    assert recall_probe(tokens, 0.0, 8)[0] == 1  # never the first token (BOS, or an attention sink)
+    assert recall_probe(tokens, 0.95, 64).tolist() == list(range(95, 100))  # cut at the prefix's end
+    assert recall_probe(tokens, 0.1, 0) is None and recall_probe(None, 0.1, 8) is None
+    assert recall_probe(tokens[:3], 0.5, 8) is None
+
+
+def test_run_summary_has_the_recall_probe(tiny_cfg, tiny_handle):
+    from kvbench.core.config import make_compressor
+    from kvbench.measure.run import measure
+
+    cfg = tiny_cfg("+compressor=streaming_llm", "compressor.keep=0.5", "metrics.recall_tokens=24")
+    s, _ = measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    low, high = s["delta_nll_recall_ci"]
+    assert s["recall_tokens"] == 2 * 24 and low <= s["delta_nll_recall"] <= high
+    assert s["delta_nll_recall"] != 0.0  # the copied passage sits in the evicted middle of the prefix
+    off = tiny_cfg("+compressor=identity", "metrics.recall_tokens=0")
+    o, _ = measure(off, make_compressor(off.compressor), tiny_handle)
+    assert o["recall_tokens"] == 0 and math.isnan(o["delta_nll_recall"])

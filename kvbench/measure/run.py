@@ -69,17 +69,35 @@ def window_documents(ds: Any, n: int) -> np.ndarray:
 _BASE_NLLS: dict[tuple, np.ndarray] = {}
 
 
-def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item) -> np.ndarray:
-    """The baseline's per-token NLLs of dataset window ``i`` of ``trace``, computed once per process (a model built
-    in the process, or no trace, is scored every time)."""
-    score = lambda: continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), it.continuation)  # noqa: E731
+def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item, cont: torch.Tensor | None = None,
+               probe: str = "next") -> np.ndarray:
+    """The baseline's per-token NLLs of ``cont`` (default: the held-out continuation) after dataset window ``i`` of
+    ``trace``, computed once per process (a model built in the process, or no trace, is scored every time)."""
+    cont = it.continuation if cont is None else cont
+    score = lambda: continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), cont)  # noqa: E731
     if trace is None or (getattr(handle, "_meta", None) or {}).get("built_in_process"):
         return score()
     model = tuple(str(handle.cfg.get(k)) for k in ("name", "path")) if hasattr(handle.cfg, "get") else (str(handle.cfg),)
-    key = (trace, model, str(handle.device), i, it.score_from, int(it.continuation.numel()))
+    key = (trace, model, str(handle.device), i, it.score_from, int(cont.numel()), probe)
     if key not in _BASE_NLLS:
         _BASE_NLLS[key] = score()
     return _BASE_NLLS[key]
+
+
+def recall_probe(tokens: torch.Tensor | None, start: float, span: int) -> torch.Tensor | None:
+    """The long-range probe's continuation: ``span + 1`` tokens of the prefix itself, from ``start`` (a fraction of
+    its length; never its first token) on, or None (no token ids, ``span`` 0, or a prefix too short).
+
+    Fed after the prefix, it repeats a passage from early in the context (a copy span): its first token cues the
+    passage and the next ``span`` are scored. A model reads them back from the cache at a low NLL (induction), so a
+    cache that dropped or blurred those old tokens pays, where the next-token continuation mostly reads recent ones.
+    """
+    if tokens is None or span <= 0:
+        return None
+    T = int(tokens.numel())
+    at = max(1, int(start * T))
+    n = min(int(span), T - at - 1)
+    return tokens[at : at + n + 1].clone() if n >= 2 else None
 
 
 def _part_totals(parts: dict[str, int]) -> dict[str, int]:
@@ -142,6 +160,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     dist = DistortionAccumulator()
     lossless, n_tok, n_el = True, 0, 0
     nll_base, nll_comp = [], []  # per-token NLL arrays, one per scored item
+    recall_base, recall_comp, recall_of = [], [], []  # the long-range probe's, and which scored item each is
+    recall_span, recall_start = int(cfg.metrics.get("recall_tokens", 0) or 0), float(cfg.metrics.get("recall_from", 0.1))
     reused = 0  # scored items whose decoded cache is the captured one, bit for bit
     for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
                            disable=None):
@@ -164,6 +184,12 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
                 reused += 1
             else:
                 nll_comp.append(continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
+            probe = recall_probe(None if kv.tokens is None else kv.tokens[: it.score_from], recall_start, recall_span)
+            if probe is not None:
+                recall_of.append(len(nll_base) - 1)
+                recall_base.append(_base_nlls(handle, trace, recall_of[-1], it, probe, "recall"))
+                recall_comp.append(recall_base[-1].copy() if exact and kv_hat.kept is None else
+                                   continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), probe))
 
     baseline_mb = n_el * 2 / 1e6
     summary = {
@@ -192,6 +218,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "cosine_v": dist.cosine("v"),
         "dropped_fraction": dist.dropped_fraction("k"),
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
+        **recall_loss(recall_base, recall_comp, cfg.metrics, source.fields.get("eval_documents"), recall_of),
         "nll_compressed_reused": reused,
         **source.fields,
         "dtype": cfg.dtype,
@@ -235,6 +262,22 @@ def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: A
     }
 
 
+def recall_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any, documents: Sequence[int] | None,
+                of: Sequence[int]) -> dict:
+    """The long-range probe (:func:`recall_probe`): mean NLL of the copy spans with the uncompressed cache, the
+    paired difference with its interval (documents and blocks, as ``delta_nll_ci``), and the tokens scored.
+    ``of``: the scored item (and so the document) each span belongs to."""
+    if not nll_base:
+        return {"nll_recall_base": math.nan, "delta_nll_recall": math.nan, "delta_nll_recall_ci": [math.nan, math.nan],
+                "recall_tokens": 0}
+    base, comp = np.concatenate(nll_base), np.concatenate(nll_comp)
+    docs = None if documents is None else [list(documents)[i] for i in of]
+    ci = document_bootstrap_ci([c - b for b, c in zip(nll_base, nll_comp)], docs, int(metrics.ci_block),
+                               int(metrics.ci_resamples), int(metrics.ci_seed))
+    return {"nll_recall_base": float(base.mean()), "delta_nll_recall": float(comp.mean() - base.mean()),
+            "delta_nll_recall_ci": ci, "recall_tokens": int(base.size), "recall_from": float(metrics.get("recall_from", 0.1))}
+
+
 def format_summary(s: dict) -> str:
     """A compact table for the terminal."""
     rows = [
@@ -247,10 +290,17 @@ def format_summary(s: dict) -> str:
         ("rel MSE  K / V", f"{s['rel_mse_k']:.3e} / {s['rel_mse_v']:.3e}"),
         ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  over {s.get('eval_tokens', 0):,} tokens"),
         ("delta NLL", _delta_text(s)),
+        ("delta NLL, recall", _recall_text(s)),
         ("encode / decode", f"{s['encode_s']:.3f} s ({s['encode_MBps']:.0f} MB/s) / {s['decode_s']:.3f} s ({s['decode_MBps']:.0f} MB/s)"),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _recall_text(s: dict) -> str:
+    lo, hi = s.get("delta_nll_recall_ci", [math.nan, math.nan])
+    return (f"{s.get('delta_nll_recall', math.nan):+.4f} nats, 95% CI [{lo:+.4f}, {hi:+.4f}]  "
+            f"(a copy of an early passage, {s.get('recall_tokens', 0):,} tokens)")
 
 
 def _delta_text(s: dict) -> str:

@@ -50,15 +50,34 @@ class Cell:
         return f"python -m kvbench {self.kind} {' '.join(self.overrides)}"
 
 
-def sweep_params(preset: Preset) -> dict[str, str]:
-    """The preset's ``hydra.sweeper.params`` as composed for its command."""
+@functools.cache
+def _preset_config(preset: Preset) -> Any:
+    """The preset composed for its command, with Hydra's own config (its sweep axes, the config groups it chose)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
-        cfg = compose(config_name=measuring(preset.kind).config, overrides=[f"+experiment={preset.name}"],
-                      return_hydra_config=True)
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params) or {}
+        return compose(config_name=measuring(preset.kind).config, overrides=[f"+experiment={preset.name}"],
+                       return_hydra_config=True)
+
+
+def sweep_params(preset: Preset) -> dict[str, str]:
+    """The preset's ``hydra.sweeper.params`` as composed for its command."""
+    params = OmegaConf.to_container(_preset_config(preset).hydra.sweeper.params) or {}
     return {str(k): str(v) for k, v in params.items()}
+
+
+def other_models(preset: Preset, models: Iterable[str]) -> list[str]:
+    """Of ``models``, those that ``model=NAME`` moves the preset's cells to: not one its cells run on already (the
+    override then is a no-op, or picks among the cells of its model axis)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    axis = sweep_params(preset).get("model")
+    if axis is None:
+        own = {_preset_config(preset).hydra.runtime.choices.get("model")}
+    else:
+        (parsed,) = OverridesParser.create().parse_overrides([f"model={axis}"])
+        own = set(parsed.sweep_string_iterator()) if parsed.is_sweep_override() else {parsed.value()}
+    return [m for m in models if m not in own]
 
 
 def cell_overrides(preset: Preset, overrides: Sequence[str] = ()) -> list[list[str]]:
@@ -94,6 +113,22 @@ def fitting(kind: str, overrides: Sequence[str]) -> list[str]:
 
 
 _MISSING = object()
+
+
+@functools.cache
+def _key(kind: str, overrides: tuple[str, ...]) -> str:
+    return key_of(_composed(kind, overrides))
+
+
+def cell_keys(preset: Preset, overrides: Sequence[str] = ()) -> list[str]:
+    """The ``cell_key`` of each cell of ``preset`` with ``overrides``, in the order of :func:`cells`, each cell
+    composed and keyed once per process; none when the overrides do not apply to the preset."""
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        return [_key(preset.kind, tuple(ov)) for ov in cell_overrides(preset, overrides)]
+    except ConfigCompositionException:
+        return []
 
 
 def cells(presets: Iterable[Preset], overrides: Sequence[str] = (), root: Path | None = None,

@@ -14,7 +14,7 @@ import pandas as pd
 
 from kvbench.core.config import available
 from kvbench.report.collect import Collection
-from kvbench.sweep.presets import Preset, cells, fitting
+from kvbench.sweep.presets import Preset, cell_keys, fitting, other_models
 
 
 def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] = ()) -> Collection:
@@ -22,16 +22,16 @@ def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] 
     presets' order, each with the ``preset`` it belongs to. A preset the overrides do not apply to shows nothing.
     Unless the overrides name a model, a preset's cells run on any packaged model (``model=NAME``, as the drivers
     take it) are its cells too."""
-    where: dict[tuple[str, str], tuple[int, str]] = {}
+    where: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, cell_key) -> (order, preset)
     frames = (got.table, got.evals, got.latency, got.restore)
     models = sorted({str(m) for f in frames if "model" in f for m in f["model"].dropna()} & set(available("model")))
-    variants = [list(overrides)]
-    if not any(o.startswith("model=") for o in overrides):
-        variants += [[*overrides, f"model={m}"] for m in models]
     for preset in presets:  # a preset the overrides do not apply to has no cells here
+        variants = [list(overrides)]
+        if not any(o.startswith("model=") for o in overrides):
+            variants += [[*overrides, f"model={m}"] for m in other_models(preset, models)]
         for extra in variants:
-            for cell in cells([preset], fitting(preset.kind, extra), unfit=lambda *_: None):
-                where.setdefault((cell.kind, cell.key), (len(where), preset.name))
+            for key in cell_keys(preset, fitting(preset.kind, extra)):
+                where.setdefault((preset.kind, key), (len(where), preset.name))
 
     def pick_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:
         if df.empty or "cell_key" not in df:

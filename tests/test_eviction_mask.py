@@ -62,3 +62,25 @@ def test_distortion_counts_kept_entries_and_the_dropped_share():
 def test_a_malformed_kept_mask_is_refused():
     with pytest.raises(ValueError, match="bool mask of shape"):
         KVSequence(torch.zeros(2, 2, 4, 8), torch.zeros(2, 2, 4, 8), kept=torch.ones(2, 2, 5, dtype=torch.bool))
+
+
+def test_a_model_mask_that_cannot_be_lined_up_with_the_kept_entries_is_refused():
+    from types import SimpleNamespace
+
+    from kvbench.cache.eviction_mask import _mask_hook
+
+    module = SimpleNamespace(layer_idx=3, num_key_value_groups=2)
+    kept = torch.ones(2, 5, dtype=torch.bool)
+    kept[0, 1] = False
+    hook = _mask_hook(lambda layer, cache: kept)
+    hidden = torch.zeros(1, 3, 8)
+    with pytest.raises(ValueError, match=r"layer 3: the model's attention mask covers 7 keys .* kept mask 8 keys \(5 held \+ 3 new\)"):
+        hook(module, (), {"hidden_states": hidden, "attention_mask": torch.zeros(1, 1, 3, 7)})
+    with pytest.raises(ValueError, match="is a dict"):
+        hook(module, (), {"hidden_states": hidden, "attention_mask": {"full": None}})
+    # a mask of the right size still applies: the model's own exclusions and the evicted entry both
+    own = torch.zeros(1, 1, 3, 8)
+    own[..., 0] = torch.finfo(torch.float32).min
+    _, kwargs = hook(module, (), {"hidden_states": hidden, "attention_mask": own})
+    visible = kwargs["attention_mask"][0] == 0  # (Hq, q, S)
+    assert not visible[:, :, 0].any() and not visible[:2, :, 1].any() and visible[2:, :, 1].all()

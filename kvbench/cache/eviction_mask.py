@@ -56,7 +56,16 @@ def _mask_hook(source: KeptSource):
         new = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()  # (q, q)
         allowed = torch.cat([prev.unsqueeze(1).expand(-1, q, -1), new.expand(prev.shape[0], -1, -1)], dim=2)
         orig = kwargs.get("attention_mask")
-        if isinstance(orig, torch.Tensor) and orig.shape[-1] == allowed.shape[-1]:
+        if orig is not None:
+            # the model's own mask (causal, sliding windows) must still apply: one that cannot be lined up with the
+            # kept entries would be dropped silently and change what attention sees
+            if not isinstance(orig, torch.Tensor):
+                raise ValueError(f"layer {module.layer_idx}: the model's attention mask is a {type(orig).__name__}; hiding "
+                                 f"evicted entries combines only with a tensor mask (eager or sdpa attention)")
+            if orig.shape[-1] != allowed.shape[-1] or orig.shape[-2] != q:
+                raise ValueError(f"layer {module.layer_idx}: the model's attention mask covers {orig.shape[-1]} keys for "
+                                 f"{orig.shape[-2]} queries, the kept mask {allowed.shape[-1]} keys ({prev.shape[1]} held + "
+                                 f"{q} new) for {q}; the cache and the model disagree on how many tokens this layer holds")
             allowed = allowed & (orig[0] if orig.dtype == torch.bool else orig[0] == 0)  # (Hq, q, S)
         mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
         mask.masked_fill_(~allowed, torch.finfo(hidden.dtype).min)

@@ -33,7 +33,7 @@ from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.measure.metrics.intervals import NLL_TOLERANCE, detectable_from_ci, document_bootstrap_ci, verdict
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
 from kvbench.measure.metrics.task_loss import continuation_nlls
-from kvbench.store.results import git_sha
+from kvbench.store.results import NLL_KEY, git_sha
 
 
 def trace_source(cfg: Any, handle: ModelHandle) -> Source:
@@ -229,6 +229,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "model_loaded": handle.loaded,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        NLL_KEY: (nll_base, nll_comp),  # the run directory's nll.npz, not the summary's
     }
     return summary, dist.rows()
 

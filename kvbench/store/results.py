@@ -9,6 +9,8 @@ Every command that measures (``run``, ``eval``, ``latency``, ``restore``) writes
                            its run
         <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet
         config.json        the resolved config
+        nll.npz            for a run that scores held-out tokens: per scored window the base and compressed
+                           per-token NLLs, float32 (:func:`read_nll`), what its delta-NLL interval resamples
 
 ``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
 version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a field added
@@ -68,6 +70,38 @@ ADDED_LATER = {
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
 }
+
+
+#: the run directory's per-token NLLs, and the summary key a measuring function hands them under (never written into
+#: the summary: ``(base, compressed)``, one float array per scored window each)
+NLL_FILE = "nll.npz"
+NLL_KEY = "_nll_per_token"
+
+
+def write_nll(path: Path, base: list, compressed: list) -> None:
+    """``path`` (an ``.npz``): per scored window the base and compressed per-token NLLs, concatenated as float32,
+    with the windows' ``offsets`` into them."""
+    import numpy as np
+
+    if len(base) != len(compressed) or any(len(b) != len(c) for b, c in zip(base, compressed)):
+        raise ValueError(f"per-token NLLs do not pair: {[len(b) for b in base]} base against "
+                         f"{[len(c) for c in compressed]} compressed tokens per window")
+    offsets = np.cumsum([0, *(len(b) for b in base)]).astype(np.int64)
+    cat = lambda xs: np.concatenate([np.asarray(x, np.float32).ravel() for x in xs]) if xs else np.zeros(0, np.float32)  # noqa: E731
+    np.savez_compressed(path, base=cat(base), compressed=cat(compressed), offsets=offsets)
+
+
+def read_nll(run_dir: Path) -> list[tuple]:
+    """Per scored window of a run (its directory, or its evidence), ``(base, compressed)`` per-token NLLs; empty
+    when the run has none."""
+    import numpy as np
+
+    f = Path(run_dir) / NLL_FILE
+    if not f.exists():
+        return []
+    with np.load(f) as z:
+        base, comp, off = z["base"], z["compressed"], z["offsets"]
+    return [(base[a:b], comp[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
 def git_sha() -> str:
@@ -183,8 +217,9 @@ def cell_lock_path(root: Path, kind: str, name: str, key: str) -> Path:
     return Path(root) / "runs" / ".locks" / f"{kind_of(kind).prefix}{name}-{key}.lock"
 
 
-def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict) -> None:
-    """Write a run directory atomically: it appears whole or not at all."""
+def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict, nll: tuple | None = None) -> None:
+    """Write a run directory atomically: it appears whole or not at all. ``nll``: ``(base, compressed)`` per-token
+    NLLs per scored window, written to :data:`NLL_FILE`."""
     import pandas as pd
 
     k = kind_of(kind)
@@ -192,6 +227,8 @@ def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict
         pd.DataFrame(rows).to_parquet(tmp / k.table, index=False)
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
         (tmp / k.summary).write_text(json.dumps(summary, indent=2, default=str))
+        if nll is not None and len(nll[0]):
+            write_nll(tmp / NLL_FILE, *nll)
 
 
 @dataclass
@@ -216,7 +253,8 @@ def resume_mode(value: Any) -> str:
 def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: dict | None,
                      measure: Callable[[], tuple[dict, list[dict]]], resume: Any = True) -> Outcome:
     """Return the newest finished run of this cell, or measure it (``measure()`` gives ``(summary, rows)``) and
-    write it with ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config`` in the summary.
+    write it with ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config`` in the summary; per-token NLLs
+    the summary hands under :data:`NLL_KEY` go to :data:`NLL_FILE` instead.
 
     The results folder is checked for a write before ``measure()`` runs, and the cell is measured under its lock
     (:func:`cell_lock_path`): a process that waited on the lock finds the holder's run and reuses it (unless
@@ -240,11 +278,13 @@ def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: di
         if (out := reusable()) is not None:  # another process measured the cell while this one waited
             return out
         summary, rows = measure()
+        nll = summary.get(NLL_KEY)
         sha = git_sha()
-        summary = {**summary, "kind": kind, "cell_key": key, "git_sha": sha, "config": cfg_dict}
+        summary = {**{k: v for k, v in summary.items() if k != NLL_KEY}, "kind": kind, "cell_key": key, "git_sha": sha,
+                   "config": cfg_dict}
         summary.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         path = run_dir(root, kind, name, key, sha)
-        write(path, kind, summary, rows, cfg_dict)
+        write(path, kind, summary, rows, cfg_dict, nll)
     return Outcome(summary, path, False)
 
 

@@ -96,6 +96,7 @@ def test_identical_sides_and_tiny_samples():
     assert same["ci95_low"] == same["ci95_high"] == 0.0 and same["detectable_diff"] == 0.0
     one = paired_scores(np.array([1.0]), np.array([0.0]))
     assert one["n"] == 1 and math.isnan(one["ci95_low"]) and math.isnan(one["detectable_diff"])
+    assert paired_scores(np.array([0.75]), np.array([0.25]))["p_value"] == 1.0
     assert paired_scores(np.zeros(0), np.zeros(0)) == {"n": 0}
     with pytest.raises(ValueError, match="one length"):
         paired_scores(base, base[:3])

@@ -71,7 +71,7 @@ def bootstrap_ci(strata: Sequence[np.ndarray], seed: int = 0, resamples: int = R
 def paired_test(base: np.ndarray, comp: np.ndarray, seed: int = 0) -> tuple[str, float]:
     """``(test name, two-sided p)``: exact McNemar when every score is 0 or 1, else a paired permutation test."""
     d = comp - base
-    if not np.any(d):
+    if not np.any(d) or d.size < 2:  # one pair: its two arrangements are equally extreme
         return ("mcnemar_exact" if is_binary(base, comp) else "permutation"), 1.0
     if is_binary(base, comp):
         lost, gained = int(np.sum(d < 0)), int(np.sum(d > 0))

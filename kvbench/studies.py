@@ -1,8 +1,14 @@
 """A per-part study end to end, for its driver in ``scripts/``: run the cells of its report section's presets that
-have no finished run, then write the section into the report (``<results>/report``: tables, and figures in its
-``figures/``) and, for a study whose findings file keeps its table between markers, the table there.
+have no finished run, publish the newest run of each cell as the study's evidence (``<results>/evidence/NAME/``:
+:mod:`kvbench.report.evidence`), then write the section into the report (``<results>/report``: tables, and figures
+in its ``figures/``) from that evidence and, for a study with a findings file, that page: rebuilt from its source
+and the evidence when it is registered as evidence-backed (:mod:`kvbench.report.pages`), else with the section's
+table put between its markers.
 
-    python scripts/NAME.py [--no-run] [--force] [--cells] [--only "OVERRIDE ..."]... [OVERRIDE ...]
+    python scripts/NAME.py [--no-run] [--force] [--cells] [--allow-mixed] [--only "OVERRIDE ..."]... [OVERRIDE ...]
+
+The evidence holds runs of one code version of a clean tree: runs of several, or of a dirty tree, are refused
+unless ``--allow-mixed`` (the page then says so).
 
 OVERRIDEs (Hydra syntax) apply to every cell and replace a preset's axis of the same key, e.g.
 ``compressor.bits=3 dataset.seq_len=256``; a preset they do not apply to is left out (``compressor.variant=mse``
@@ -19,8 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbench.report.build import put_block, write_report
+from kvbench.report.evidence import MixedCodeVersions, export, load, study_runs
+from kvbench.report.pages import build, registry
 from kvbench.report.sections import section
+from kvbench.report.writing import put_block, write_report
+from kvbench.store.atomic import write_with
 from kvbench.store.paths import results_root
 from kvbench.sweep.presets import Cell, cells, run_in_process, run_isolated
 
@@ -59,6 +68,8 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     ap.add_argument("--cells", action="store_true", help="print each cell's command and stop")
     ap.add_argument("--only", action="append", default=[], metavar="OVERRIDES",
                     help="keep the cells that carry every one of these overrides (a bare name: the preset)")
+    ap.add_argument("--allow-mixed", action="store_true",
+                    help="publish runs of several code versions or of a dirty tree as the evidence (the page says so)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every cell")
     args = ap.parse_intermixed_args(argv)  # overrides may stand on either side of the --only options
     # paths.results= moves everything, as KVBENCH_RESULTS does: the runs, the report and the findings file
@@ -80,18 +91,35 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
         todo.sort(key=lambda c: any(f"+compressor={s}" in c.overrides for s in slow))  # stable: the rest keep order
         failed = run_isolated(todo, lock) if isolate else run_in_process(todo, args.force, lock)
     out = base / "report"
-    res = write_report([root / "runs"], out, sections=[name], overrides=overrides)
-    if name in res["without_runs"]:
+    runs = study_runs(name, [root / "runs"], overrides)
+    if not runs:
         print(f"no finished run of any {name} cell under {root / 'runs'}", file=sys.stderr)
         return 1
+    try:
+        evidence = export(name, runs, base, overrides, args.allow_mixed)
+    except MixedCodeVersions as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"evidence: {len(runs)} runs -> {evidence}")
+    res = write_report([], out, sections=[name], overrides=overrides, got=load(name, base).got)
     for stem, text in res["markdown"].items():
         print(f"== {out / stem}.md\n{text}")
     for fig, why in res["empty"].items():
         print(f"figure {fig}: nothing to plot ({why})", file=sys.stderr)
-    if findings:
+    page = registry(base).get(findings) if findings else None
+    if page is not None:  # evidence-backed: the whole page from its source and the evidence
+        built = build(page, base, formats=("png", "pdf"))
+        for err in built.errors + [f"{page.source}:{ln}: {w!r} typed by hand, not a reference" for ln, w in built.literals]:
+            print(f"error: {err}", file=sys.stderr)
+        if built.text is None:
+            return 1
+        text = built.text
+        write_with(base / findings, lambda p: p.write_text(text))
+        print(f"-> {base / findings}")
+    elif findings:
         md = base / findings
         put_block(md, name, res["markdown"][name], WHY.format(name=name))
         print(f"-> {md}")
     if failed:
         print(f"{len(failed)} cell(s) failed:\n" + "\n".join(c.command for c in failed), file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or (page is not None and built.literals) else 0

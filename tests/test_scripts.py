@@ -55,8 +55,8 @@ def test_no_script_styles_or_draws_figures(path):
 
 def test_figures_are_written_only_by_the_report_into_its_figures_folder():
     writers = [p.name for p in (repo_root() / "kvbench").rglob("*.py") if "savefig(" in p.read_text()]
-    assert writers == ["build.py"]
-    assert '"figures"' in (repo_root() / "kvbench" / "report" / "build.py").read_text()
+    assert writers == ["writing.py"]
+    assert '"figures"' in (repo_root() / "kvbench" / "report" / "writing.py").read_text()
 
 
 @pytest.mark.parametrize("path", DRIVERS, ids=lambda p: p.name)

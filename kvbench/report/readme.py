@@ -5,24 +5,29 @@ Every number comes from the summaries under the runs dir (``kvbench.report.colle
 sections as the per-part studies (frontier, eviction, RULER); the figures are the report's (``python -m kvbench
 report RUNS --out REPORT --sections overview,frontier,eviction,ruler`` writes them first). ``quoted_not_generated``
 lists the figures a hand-written finding quotes that no generated table shows.
+
+:func:`render` reads a runs folder and keeps the findings of the file it overwrites (the page then says it is not
+rebuilt from committed evidence); :func:`compose` is the page itself, which :mod:`kvbench.report.pages` builds from
+the study's committed evidence and the findings' source, each figure in them a reference into that evidence.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from kvbench.report.build import block, blocks, markdown
 from kvbench.report.collect import Collection, collect, numeric, plain, series_label
+from kvbench.report.evidence import NOT_BACKED, machine
 from kvbench.report.sections import Table, section, select
 from kvbench.report.tables import format_ratio, pick, to_markdown
+from kvbench.report.writing import block, blocks, markdown
 from kvbench.store.paths import repo_root
 
 FINDINGS_WHY = "written by hand; kept when this file is regenerated"
@@ -49,28 +54,40 @@ RULER_POOLED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "co
                             "diff_ci_text", "smallest_significant_diff", formats={"bits_per_element": ".2f"})
 
 
-def _machine() -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
-    import torch
-
-    return f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def _sha() -> str:
     out = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
-def _figure(report: Path, out: Path, name: str, caption: str) -> str:
-    png = report / "figures" / f"{name}.png"
-    if not png.exists():
+@dataclass(frozen=True)
+class Provenance:
+    """What the README's header says of its runs."""
+
+    runs: str  # where they are, as the header names them
+    commit: str  # the code version they were measured at
+    date: str
+    machine: str
+    wall_min: float | None = None
+    note: str = ""  # a sentence after the header's first: how the page is rebuilt, what it mixes
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Where the report's figures are (``report/figures/NAME.png``) and which of them exist."""
+
+    report: Path
+    exists: Callable[[str], bool]
+
+
+def _figure(figs: Figures, out: Path, name: str, caption: str) -> str:
+    if not figs.exists(name):
         return f"_(no {name} figure: no run carries what it plots)_\n"
+    png = figs.report / "figures" / f"{name}.png"
     return f"![{caption}]({os.path.relpath(png, out.parent)})\n\n_{caption}_ (PDF beside it)\n"
 
 
-def _figures(report: Path, out: Path, stem: str, models: list[str], caption: str) -> list[str]:
-    return [_figure(report, out, f"{stem}_{m}", f"{caption}, {m}") for m in models]
+def _figures(figs: Figures, out: Path, stem: str, models: list[str], caption: str) -> list[str]:
+    return [_figure(figs, out, f"{stem}_{m}", f"{caption}, {m}") for m in models]
 
 
 def _section_tables(got: Collection, name: str, overrides: Sequence[str] = ()) -> list[Table]:
@@ -210,27 +227,38 @@ def _run_count(got: Collection) -> int:
 
 def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, overrides: Sequence[str] = (),
            commit: str | None = None) -> str:
-    """The README's text; ``overrides``: those the study cells were run with (as ``kvbench report --override``);
-    ``commit``: the one the runs were made at (default: the checkout's)."""
+    """The README's text from a runs folder, keeping ``out``'s hand-written findings; ``overrides``: those the study
+    cells were run with (as ``kvbench report --override``); ``commit``: the one the runs were made at (default: the
+    checkout's)."""
     kept = blocks(out.read_text(), "findings") if out.exists() else {}
+    prov = Provenance(str(runs), commit or _sha(), time.strftime("%Y-%m-%d"), machine(), wall_min)
+    figs = Figures(report, lambda name: (report / "figures" / f"{name}.png").exists())
+    return compose(collect([runs]), prov, kept, figs, out, overrides, backed=False)
 
+
+def compose(got: Collection, prov: Provenance, kept: dict[str, str], figs: Figures, out: Path,
+            overrides: Sequence[str] = (), why: str = FINDINGS_WHY, backed: bool = True) -> str:
+    """The README's text for the runs ``got``, with the findings ``kept`` (by section key) in their blocks, for the
+    file ``out`` (figure links are relative to it); ``backed``: built from committed evidence (else the page says it
+    is not)."""
     def findings(key: str) -> str:
-        return block("findings", key, kept.get(key, FINDINGS_TODO), FINDINGS_WHY) + "\n"
+        return block("findings", key, kept.get(key, FINDINGS_TODO), why) + "\n"
 
-    got = collect([runs])
     everything = got.table
     single = everything["workload"].isna() | (everything["workload"].astype(str) == "none") \
         if "workload" in everything else pd.Series(True, index=everything.index)
     df = everything[single]
     models = list(dict.fromkeys(df["model"].astype(str))) if "model" in df else []
     frontier, eviction, ruler = (_section_tables(got, n, overrides) for n in ("frontier", "eviction", "ruler"))
-    wall = f" in {wall_min:.0f} min of wall time" if wall_min is not None else ""
+    wall = f" in {prov.wall_min:.0f} min of wall time" if prov.wall_min is not None else ""
     others = sorted(p for p in out.parent.glob("*.md") if p.name != out.name)
+    report = figs.report
     s = [
         "# kvbench: measured findings\n",
-        f"Regenerated by `scripts/reproduce.sh`{wall} on {time.strftime('%Y-%m-%d')} at commit `{commit or _sha()}`, on "
-        f"{_machine()}. {_run_count(got)} runs under `{runs}`; every number below is read from their summaries (all runs: "
-        f"`{os.path.relpath(report, out.parent)}/runs.md`, `.csv`, `.tex`). Timed cells ran one torch thread each, "
+        *([] if backed else [NOT_BACKED + "\n"]),
+        f"Regenerated by `scripts/reproduce.sh`{wall} on {prov.date} at commit `{prov.commit}`, on "
+        f"{prov.machine}. {_run_count(got)} runs under `{prov.runs}`; every number below is read from their summaries "
+        f"(all runs: `{os.path.relpath(report, out.parent)}/runs.md`, `.csv`, `.tex`).{prov.note} Timed cells ran one torch thread each, "
         "under the benchmark lock, beside one single-thread accuracy job on the other core. Quality is the held-out "
         "NLL change with its paired 95% interval (block bootstrap over windows x token blocks); \"within 1%\" means "
         "the whole interval lies at or below 1% of the base NLL, \"unresolved\" that it straddles that line.\n",
@@ -242,7 +270,7 @@ def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, o
         _table(frontier, "fewest stream bits per element within 1% NLL, per coder and model"),
         "Every cell:\n",
         _table(frontier, "every cell"),
-        *_figures(report, out, "frontier", models, "Held-out NLL change against stream bits per element"),
+        *_figures(figs, out, "frontier", models, "Held-out NLL change against stream bits per element"),
         findings("frontier"),
         "## 2. Long-context accuracy: RULER\n",
         "Accuracy with the compressed cache in the generation loop, paired with the 16-bit cache on the same "
@@ -250,12 +278,12 @@ def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, o
         f"`{os.path.relpath(report, out.parent)}/ruler.md`):\n",
         to_markdown(ruler_pooled(ruler), RULER_POOLED_COLUMNS),
         _table(ruler, "16-bit baseline per task"),
-        *_figures(report, out, "ruler", models, "RULER accuracy change against bits per element"),
+        *_figures(figs, out, "ruler", models, "RULER accuracy change against bits per element"),
         findings("ruler"),
         "## 3. Eviction or coding at equal bytes?\n",
         _table(eviction, "every eviction cell"),
         _table(eviction, "eviction against quantization at similar stored bits"),
-        *_figures(report, out, "eviction", models, "Eviction beside the quantizers"),
+        *_figures(figs, out, "eviction", models, "Eviction beside the quantizers"),
         findings("eviction"),
         "## 4. When does a stored compressed cache beat re-running prefill, and what does it cost per token?\n",
         "Restoring a stored session: encode, decode, the first token's forward and the prefill are measured; the "
@@ -263,14 +291,14 @@ def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, o
         "between the two crossovers (below `crossover_prefill` re-running prefill from the token ids wins, above "
         "`crossover_16bit` sending 16-bit KV does):\n",
         to_markdown(restore_table(got.restore), RESTORE_COLUMNS),
-        _figure(report, out, "restore_ttft", "Time to first token against link bandwidth"),
+        _figure(figs, out, "restore_ttft", "Time to first token against link bandwidth"),
         "Decoding with the cache resident (KIVI: a layer's packed codes unpacked when its attention runs), against "
         "transformers' DynamicCache and QuantizedCache (HQQ) in the same run:\n",
         to_markdown(memory_speed_table(got.latency), MEMORY_COLUMNS),
         findings("latency"),
         "## 5. Cross-session prefix sharing\n",
         to_markdown(sharing_table(everything), SHARING_COLUMNS),
-        _figure(report, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
+        _figure(figs, out, "prefix_sharing", "Compression ratio against the workload's share rate"),
         findings("sharing"),
         "## 6. Distance to the entropy bound, and to the paper's 914,000x\n",
         f"The paper's figure is its per-vector arithmetic for a 70B-class config, {PAPER_PER_VECTOR_BITS:,} "

@@ -1,0 +1,197 @@
+"""``python -m kvbench report --check``: pages rebuilt from synthetic committed evidence pass it; a page edited by
+hand, a figure typed into hand-written text, a reference that selects no run or several, and runs of mixed code
+versions fail it; a page without evidence passes only by saying so. The committed pages pass it."""
+
+import json
+import shutil
+
+import pytest
+from evidence_cases import per_vector_cells, write_run
+
+from kvbench.report import refs
+from kvbench.report.check import FAILED, check, summary
+from kvbench.report.evidence import export, load
+from kvbench.report.pages import NOT_BACKED, build, register, source_from_page, write_pages
+
+SOURCE = """# Per-vector quantizers
+
+TurboQuant_mse at {{ per_vector: compressor.variant=mse compressor.bits=2.5 | bits_per_element }} bits per element
+changes the held-out NLL by {{ per_vector: compressor.variant=mse compressor.bits=2.5 | delta_nll_ci }} nats (95%
+interval), on windows whose base NLL is {{ per_vector: * | nll_base .2f }} nats in every run.
+
+<!-- generated:per_vector (the table) -->
+<!-- /generated -->
+
+<!-- findings:per_vector (written by hand) -->
+The 16-bit baseline of 2024 is 1st; within 1% at {{ per_vector: compressor.variant=prod | compression_ratio x }}x.
+<!-- /findings -->
+"""
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A results root with the per-vector study's evidence (four runs of one commit) and its page, registered and
+    rebuilt from it."""
+    root = tmp_path_factory.mktemp("published")
+    runs = [write_run(root / "measured", c, i) for i, c in enumerate(per_vector_cells())]
+    export("per_vector", runs, root, host="a test machine")
+    (root / "per_vector.md").write_text(SOURCE)
+    register("per_vector.md", root)
+    (built,) = write_pages(root, formats=("png",))
+    assert not built.errors and not built.literals
+    shutil.rmtree(root / "measured")  # the check needs no runs folder
+    return root
+
+
+def _copy(published, tmp_path):
+    root = tmp_path / "results"
+    shutil.copytree(published, root)
+    return root
+
+
+def _failures(root):
+    return [o for o in check(root, pages=sorted(root.glob("*.md"))) if o.status in FAILED]
+
+
+def test_a_page_rebuilt_from_its_evidence_passes_the_check(published):
+    text = (published / "per_vector.md").read_text()
+    # the references render the selected run's figures; the header names the commit and the evidence
+    assert "TurboQuant_mse at 3.000 bits per element" in text  # run 1: 2 + 1 bits, delta 0.01 [+0.005, +0.015]
+    assert "by [+0.0050, +0.0150] nats" in text and "base NLL is 3.25 nats" in text
+    assert "within 1% at 3.20x." in text  # run 3 (prod): 16 / 5 bits, as a ratio
+    assert "measured at commit `aaaaaaa` up to 2026-01-04 on a test machine" in text
+    assert "| turboquant variant=mse | 2.5 | 3.000 |" in text  # the generated table
+    outcomes = check(published, pages=sorted(published.glob("*.md")))
+    assert [(o.status, o.page.endswith("per_vector.md")) for o in outcomes] == [("ok", True)], summary(outcomes)
+    assert (published / "report" / "per_vector.csv").exists()  # the data behind its figure is compared too
+
+
+def test_a_page_edited_by_hand_fails_the_check_with_a_diff(published, tmp_path):
+    root = _copy(published, tmp_path)
+    page = root / "per_vector.md"
+    page.write_text(page.read_text().replace("| turboquant variant=mse | 2.5 | 3.000 |", "| turboquant variant=mse | 2.5 | 2.900 |"))
+    (failed,) = _failures(root)
+    assert failed.status == "differs"
+    assert "-| turboquant variant=mse | 2.5 | 2.900 |" in "\n".join(failed.lines)
+    assert "+| turboquant variant=mse | 2.5 | 3.000 |" in "\n".join(failed.lines)
+    # so does the data behind a figure
+    root = _copy(published, tmp_path / "again")
+    csv = root / "report" / "per_vector.csv"
+    csv.write_text(csv.read_text().replace("3.0,", "2.9,", 1))
+    (failed,) = _failures(root)
+    assert failed.status == "differs" and any("per_vector.csv (committed)" in ln for ln in failed.lines)
+
+
+def test_a_figure_typed_into_a_findings_block_fails_the_check(published, tmp_path):
+    root = _copy(published, tmp_path)
+    source = root / "evidence" / "pages" / "per_vector.md"
+    source.write_text(source.read_text().replace("The 16-bit baseline", "At 2.13 bits/elt (6,680x, 31% less) the "
+                                                 "16-bit baseline"))
+    write_pages(root, formats=())  # rebuilt, the page matches its source: only the typed figures fail
+    (failed,) = _failures(root)
+    assert failed.status == "figures"
+    assert [ln.split(":")[2].split()[0] for ln in failed.lines] == ["'2.13'", "'6,680x'", "'31%'"]
+
+
+@pytest.mark.parametrize("text, figures", [
+    ("within 1% of the base NLL, a 95% interval, in 2024, 16-bit KV, the 2nd model (arXiv 2501.19392)", []),
+    ("1. first item\n## 2. Section\n- `compressor.bits=2 dataset.seq_len=1024` on SmolLM2-135M, gemma3_270m, fp8", []),
+    ("{{ s: a=1 | x .2f }} and <!-- 3.14 --> and ![fig](report/figures/f_2.png)", []),
+    ("2.126 against 3.092 is 31% less; 18,792x; +0.0042 [-0.0025, +0.0106]; 0.82-2.93 Gbit/s",
+     ["2.126", "3.092", "31%", "18,792x", "+0.0042", "-0.0025", "+0.0106", "0.82-2.93"]),
+    ("`2.13` bits, 5.3x, 1.29× the bound, ~10 tokens/s, dNLL=0.004", ["2.13", "5.3x", "1.29×", "10", "0.004"]),
+])
+def test_literal_figures_are_the_numbers_that_are_not_on_the_allow_list(text, figures):
+    assert [f for _, f in refs.literal_figures(text)] == figures
+
+
+def test_a_reference_selects_exactly_one_run_and_names_the_matches_otherwise(published):
+    got = load("per_vector", published).got
+
+    def render(text):
+        return refs.render(text, lambda study: got)
+
+    assert render("{{ per_vector: compressor.variant=prod compressor.bits=2 | bits_per_element .1f }}") == ("5.0", [])
+    assert render("{{ per_vector: cfg.compressor.variant=mse compressor_params.bits=3 | delta_nll +.3f }}") == \
+        ("+0.020", [])
+    _, (err,) = render("{{ per_vector: compressor.variant=mse | delta_nll }}")
+    assert "selects 3 rows of per_vector/runs, not one" in err and err.count("turboquant-") == 3
+    _, (err,) = render("{{ per_vector: compressor.variant=mse compressor.bits=4 | delta_nll }}")
+    assert "selects no row" in err and "compressor.bits=4" in err and "(their compressor.bits: 2, 2.5, 3)" in err
+    _, (err,) = render("{{ per_vector: * | delta_nll }}")  # '*' takes several rows only when they agree
+    assert "the 4 rows selected differ in delta_nll" in err
+    _, (err,) = render("{{ per_vector: compressor.varaint=mse | delta_nll }}")
+    assert "no field 'compressor.varaint'" in err
+    _, (err,) = render("{{ per_vector compressor.bits=2 | delta_nll }}")
+    assert "a reference is" in err
+
+
+def test_a_reference_that_fails_fails_the_check(published, tmp_path):
+    root = _copy(published, tmp_path)
+    source = root / "evidence" / "pages" / "per_vector.md"
+    source.write_text(source.read_text().replace("compressor.variant=prod", "compressor.bits=2"))
+    (failed,) = _failures(root)
+    assert failed.status == "error" and "selects 2 rows of per_vector/runs, not one" in failed.lines[0]
+
+
+def test_runs_of_several_code_versions_are_published_only_with_allow_mixed_which_the_page_states(tmp_path):
+    cells = per_vector_cells()
+    runs = [write_run(tmp_path / "measured", c, i, sha=s * 40) for i, (c, s) in enumerate(zip(cells, "aabb"))]
+    root = tmp_path / "results"
+    with pytest.raises(ValueError, match="several code versions"):
+        export("per_vector", runs, root)
+    export("per_vector", runs, root, allow_mixed=True)
+    (root / "per_vector.md").write_text(SOURCE)
+    register("per_vector.md", root)
+    (built,) = write_pages(root, formats=())
+    assert "measured at commit `mixed: aaaaaaa (2 runs), bbbbbbb (2 runs)` (published with `--allow-mixed`)" \
+        in built.text
+    assert _failures(root) == []
+    # a manifest edited to take the permission back: the page no longer builds
+    manifest = root / "evidence" / "per_vector" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "allow_mixed": False}))
+    (failed,) = _failures(root)
+    assert failed.status == "error" and "several code versions" in failed.lines[0]
+
+
+def test_a_page_registered_from_its_old_text_keeps_what_is_hand_written():
+    old = (f"# Old\n\n{NOT_BACKED}\n\nProse.\n\n<!-- generated:per_vector (old) -->\n| a | b |\n"
+           "<!-- /generated -->\n")
+    assert source_from_page(old) == "# Old\n\nProse.\n\n<!-- generated:per_vector (old) -->\n<!-- /generated -->\n"
+
+
+def test_a_page_without_evidence_is_not_checked_and_must_say_so(tmp_path):
+    (tmp_path / "old.md").write_text(f"# Old findings\n\n{NOT_BACKED}\n\nKIVI at 2.13 bits.\n")
+    (tmp_path / "silent.md").write_text("# Silent\n\nKIVI at 2.13 bits.\n")
+    outcomes = check(tmp_path, pages=sorted(tmp_path.glob("*.md")))
+    assert [(o.page.rsplit("/", 1)[-1], o.status) for o in outcomes] == [("old.md", "not checked"),
+                                                                        ("silent.md", "unmarked")]
+    assert "not checked (no committed evidence; each page says so)" in summary(outcomes)
+
+
+def test_the_readme_is_rebuilt_from_its_study_evidence(tmp_path):
+    cells = per_vector_cells()
+    runs = [write_run(tmp_path / "measured", c, i) for i, c in enumerate(cells)]
+    root = tmp_path / "results"
+    export("reproduce", runs, root, host="a test machine", wall_min=58.0)
+    (root / "README.md").write_text(
+        "<!-- findings:answers (by hand) -->\nTurboQuant_prod stores "
+        "{{ reproduce: compressor.variant=prod | bits_per_element .1f }} bits per element.\n<!-- /findings -->\n")
+    page = register("README.md", root, study="reproduce")
+    assert page.builder == "readme" and page.report == "report/readme"
+    (built,) = write_pages(root, formats=())
+    assert built.errors == [] and built.literals == []
+    text = (root / "README.md").read_text()
+    assert "Regenerated by `scripts/reproduce.sh` in 58 min of wall time on 2026-01-04 at commit `aaaaaaa`, on a " \
+           "test machine. 4 runs under `evidence/reproduce`" in text
+    assert "TurboQuant_prod stores 5.0 bits per element." in text
+    assert (root / "report" / "readme" / "runs.md").exists()
+    assert _failures(root) == []
+    rebuilt = build(page, root, report_out=tmp_path / "elsewhere")
+    assert rebuilt.text == text  # figure links point at the page's report folder, wherever the rebuild writes
+
+
+def test_the_committed_pages_pass_the_check():
+    """Every page under results/ and the README is rebuilt from committed evidence or says it is not."""
+    outcomes = check()
+    assert not [o for o in outcomes if o.status in FAILED], summary(outcomes)

@@ -14,6 +14,13 @@
 #   FINDINGS=1 scripts/reproduce.sh           # also the whole per-part studies behind results/<part>.md (hours)
 #   KEEP_TRACES=1 scripts/reproduce.sh        # reuse captured traces in $KVBENCH_HOME (default: capture afresh)
 #   RESULTS=/tmp/r QUICK=1 scripts/reproduce.sh   # somewhere else than results/ (a smoke test of this script)
+#   ALLOW_MIXED=1 scripts/reproduce.sh        # publish evidence from a dirty tree (the pages then say so)
+#
+# The runs behind results/README.md are published as the study `reproduce` (results/evidence/reproduce/: each
+# run's summary and per-token NLLs) and the README is rebuilt from that evidence alone, as `python -m kvbench report
+# --check` rebuilds it; its hand-written findings live in results/evidence/pages/README.md (made from the README's
+# findings the first time, when each figure typed in them is reported until it is rewritten as a reference into the
+# evidence). The evidence is of one clean commit: on a dirty tree this script refuses to publish unless ALLOW_MIXED=1.
 #
 # The README's cells are cells of the per-part studies (scripts/frontier.py, eviction.py, ruler.py run with
 # --only: the same configs, so the same cell keys as results/frontier.md etc.), measured afresh under
@@ -47,7 +54,9 @@ step() {  # step NAME CMD...: run, time and log it; on failure note it and go on
     [[ $rc == 0 ]] || echo "$name" >> "$FAILED"
 }
 # every cell of this script writes under $SWEEPS; the study drivers take the lock per measured cell themselves
-study() { local s=$1; shift; "$PY" "scripts/$s.py" "paths.results=$SWEEPS" "$@"; }
+MIXED=()
+[[ "${ALLOW_MIXED:-0}" == 1 ]] && MIXED=(--allow-mixed)
+study() { local s=$1; shift; "$PY" "scripts/$s.py" "${MIXED[@]}" "paths.results=$SWEEPS" "$@"; }
 kvb() { KVBENCH_RESULTS=$SWEEPS flock "$LOCK" "$PY" -m kvbench "$@"; }
 sweep() { kvb run -m "$@"; }
 
@@ -177,7 +186,7 @@ lane_accuracy() {
 if [[ "${FINDINGS:-0}" == 1 ]]; then
     LANE=findings
     for s in per_vector sequential prefix_sharing accuracy latency frontier eviction ruler; do
-        step "study $s" env KVBENCH_RESULTS="$RESULTS" "$PY" "scripts/$s.py"
+        step "study $s" env KVBENCH_RESULTS="$RESULTS" "$PY" "scripts/$s.py" "${MIXED[@]}"
     done
 fi
 
@@ -189,13 +198,16 @@ ACCURACY=$!
 wait $MEASURED || true
 wait $ACCURACY || true
 
-# 3. The tables and figures from every cell, then results/README.md (hand-written findings are kept).
+# 3. Every cell's run published as the evidence of results/README.md, then the README, its tables and figures
+# (results/report/readme/) rebuilt from that evidence alone; the hand-written findings are its source's.
 LANE=report
 WALL=$(( (SECONDS - T0 + 59) / 60 ))
-step report "$PY" -m kvbench report "$SWEEPS/runs" --out "$RESULTS/report/readme" \
-    --sections overview,frontier,eviction,ruler "${SIZED[@]}"
-step readme "$PY" scripts/results_readme.py --runs "$SWEEPS/runs" --report "$RESULTS/report/readme" \
-    --out "$RESULTS/README.md" --wall-min "$WALL" --commit "$SHA" "${SIZED[@]}"
+report() { KVBENCH_RESULTS="$RESULTS" "$PY" -m kvbench report "$@"; }
+step evidence report --export-evidence reproduce "$SWEEPS/runs" --wall-min "$WALL" "${SIZED[@]}" "${MIXED[@]}"
+if [[ ! -f "$RESULTS/evidence/pages/README.md" ]]; then  # once: the README's findings become its source
+    step register report --register README.md --study reproduce
+fi
+step readme report --pages README.md
 log "done in $(( (SECONDS - T0 + 59) / 60 )) min"
 if [[ -s "$FAILED" ]]; then
     log "failed steps: $(paste -sd, "$FAILED")"

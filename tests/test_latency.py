@@ -50,7 +50,7 @@ def own_handle(tokenizer):
 
 
 def test_identity_decodes_the_same_tokens_as_the_plain_cache(latency_cfg, own_handle):
-    summary, rows = measure_latency(latency_cfg("latency.residual=8", "latency.chunk=16"), Identity(), own_handle)
+    summary, rows = measure_latency(latency_cfg("cache.residual=8", "cache.chunk=16"), Identity(), own_handle)
     assert [(r["context"], r["cache"]) for r in rows] == [(48, "dynamic"), (48, "compressed"), (96, "dynamic"), (96, "compressed")]
     assert all(r["tokens_match_dynamic"] == 1.0 for r in rows)
     # the model computes in float32 on the CPU; every cache, the plain one too, holds the 16-bit cache dtype
@@ -69,7 +69,7 @@ def test_identity_decodes_the_same_tokens_as_the_plain_cache(latency_cfg, own_ha
 
 
 def test_kivi_holds_fewer_bytes(latency_cfg, own_handle):
-    summary, _ = measure_latency(latency_cfg("latency.residual=0", "latency.chunk=16", "latency.decode_tokens=2"),
+    summary, _ = measure_latency(latency_cfg("cache.residual=0", "cache.chunk=16", "latency.decode_tokens=2"),
                                  KIVI(bits=2, group_size=16), own_handle)
     assert summary["ratios"]["96"]["bytes_held"] < 0.5
     assert summary["cache"]["residual"] == 0
@@ -95,7 +95,7 @@ def hqq_bytes(n_quantized: int, n_residual: int, *, layers: int, heads: int, hea
 
 @needs_hqq
 def test_quantized_cache_baseline_rows(latency_cfg, own_handle):
-    summary, rows = measure_latency(latency_cfg("latency.residual=8", "latency.chunk=16",
+    summary, rows = measure_latency(latency_cfg("cache.residual=8", "cache.chunk=16",
                                                 "latency.baselines=[transformers_quantized]"),
                                     KIVI(bits=2, group_size=16), own_handle)
     assert [(r["context"], r["cache"]) for r in rows] == [(T, c) for T in (48, 96)

@@ -133,7 +133,7 @@ def _require_hqq() -> None:
 def transformers_quantized(settings: Any, compressor: Any, residual: int | None, config: Any) -> TransformersQuantized:
     """The HQQ ``QuantizedCache`` matched to the run: ``settings`` (``latency.quantized_cache``) fields left null take
     the compressor's ``bits`` (else 4), the head dimension (one group per token and head) and the compressed cache's
-    residual (``latency.residual``; null: the compressor's own recent window, else 0)."""
+    residual (``cache.residual``; null: the compressor's own recent window, else 0)."""
     _require_hqq()
     nbits = settings.get("nbits")
     if nbits is None:
@@ -155,7 +155,7 @@ def transformers_quantized(settings: Any, compressor: Any, residual: int | None,
     return TransformersQuantized(nbits=int(nbits), q_group_size=int(group), residual_length=int(length))
 
 
-#: baseline name -> builder(settings of latency.quantized_cache, compressor, latency.residual, model config)
+#: baseline name -> builder(settings of latency.quantized_cache, compressor, cache.residual, model config)
 BASELINES = {"transformers_quantized": transformers_quantized}
 
 

@@ -193,13 +193,13 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     """Run every context length with the plain cache, the compressed cache and each of ``latency.baselines``;
     return ``(summary, rows)``."""
     handle = handle or ModelHandle(cfg.model, cfg.device)
-    lat = cfg.latency
+    lat, cache = cfg.latency, cfg.cache
     contexts = [int(c) for c in lat.contexts]
     if not contexts or min(contexts) < 2:
         raise ValueError(f"latency.contexts={contexts} must list context lengths of at least 2 tokens")
     model = handle.model
     # before anything slow: a baseline that is unknown or not installed fails here
-    baselines = make_baselines(lat.get("baselines"), lat.get("quantized_cache"), compressor, lat.residual, model.config)
+    baselines = make_baselines(lat.get("baselines"), lat.get("quantized_cache"), compressor, cache.residual, model.config)
     config = model.config if compressor.needs_config else None
     fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
     dev = cfg.device
@@ -214,8 +214,8 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     # name -> (new empty cache, its byte count or None for run_once's own, fields every row of it carries)
     make: dict[str, tuple[Callable[[], Any], Callable[[Any], int] | None, dict]] = {
         "dynamic": (lambda: dynamic_cache(store), None, {"label": f"DynamicCache ({stored})"}),
-        "compressed": (lambda: CompressedCache(compressor, residual=lat.residual, chunk=int(lat.chunk),
-                                               mode=str(lat.mode), model=handle, dtype=store),
+        "compressed": (lambda: CompressedCache(compressor, residual=cache.residual, chunk=int(cache.chunk),
+                                               mode=str(cache.mode), model=handle, dtype=store),
                        None, {"label": f"CompressedCache ({compressor.name})"}),
     }
     for name, b in baselines.items():
@@ -253,7 +253,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "rounds": rounds,
         "rows": rows,
         "ratios": latency_ratios(rows),
-        "cache": {"residual": lat.residual, "chunk": int(lat.chunk), "mode": str(lat.mode), "dtype": cfg.dtype},
+        "cache": {"residual": cache.residual, "chunk": int(cache.chunk), "mode": str(cache.mode), "dtype": cfg.dtype},
         "baselines": {name: b.describe() for name, b in baselines.items()},
         "model_dtype": str(model_dtype).replace("torch.", ""),
         "fit_s": fit_s,

@@ -195,3 +195,23 @@ def test_the_committed_pages_pass_the_check():
     """Every page under results/ and the README is rebuilt from committed evidence or says it is not."""
     outcomes = check()
     assert not [o for o in outcomes if o.status in FAILED], summary(outcomes)
+
+
+def test_the_command_exits_1_on_a_failed_check_and_0_otherwise(published, tmp_path, monkeypatch, capsys):
+    from kvbench.report.build import main
+
+    root = _copy(published, tmp_path)
+    monkeypatch.setenv("KVBENCH_RESULTS", str(root))
+    assert main(["--check"]) == 0
+    assert "ok         " in capsys.readouterr().out
+    page = root / "per_vector.md"
+    page.write_text(page.read_text().replace("3.000 bits per element", "3.0 bits per element"))
+    assert main(["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "-TurboQuant_mse at 3.0 bits per element" in out
+    assert main(["--pages"]) == 0 and main(["--check"]) == 0  # rebuilt from the evidence, it matches again
+    runs = [write_run(tmp_path / "measured", c, i) for i, c in enumerate(per_vector_cells()[:2])]
+    assert main(["--export-evidence", "per_vector", str(tmp_path / "measured" / "runs")]) == 0
+    assert sorted(p.name for p in (root / "evidence" / "per_vector").iterdir() if p.is_dir()) == \
+        sorted(r.name for r in runs)
+    assert main(["--check"]) == 1  # the page's references now select runs the evidence no longer holds

@@ -85,7 +85,7 @@ def test_the_compressed_segment_holds_exactly_the_context(handle, protocol, monk
     text = doc["context"] + doc["query"]
     seen = []
     caches = lm.caches
-    monkeypatch.setattr(lm, "caches", lambda p: seen.append((p, *caches(p))) or seen[-1][1:])
+    monkeypatch.setattr(lm, "caches", lambda p, baseline=True: seen.append((p, *caches(p, baseline))) or seen[-1][1:])
     req = Instance("generate_until", doc, (text, {"until": ["\x00"], "max_gen_toks": 5}), 0, metadata=("toy", 7, 1))
     lm.generate_until([req])
     ((prompt, comp, base),) = seen
@@ -98,6 +98,31 @@ def test_the_compressed_segment_holds_exactly_the_context(handle, protocol, monk
     assert not base.segments and lm.shapes[("toy", 7)] == (n_ctx, len(ids) - n_ctx)
     with pytest.raises(ValueError, match="cache.mode=chunked"):
         CompressedKVLM(handle, KIVI(), mode="chunked")
+
+
+def test_a_process_runs_each_requests_baseline_once_whatever_the_compressor(tiny_model, monkeypatch):
+    from kvbench.measure.evaluation import lm as lm_module
+
+    monkeypatch.setattr(lm_module, "BASELINES", {})
+    named = ModelHandle.from_loaded(tiny_model, ByteTokenizer(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+    named._meta = {}  # as a packaged model's: its weights have a name, so its baseline may be kept
+    gen = Instance("generate_until", {"query": " Again?"}, ("once upon a time Again?", {"until": ["\n"], "max_gen_toks": 4}), 0)
+    ll = _ll("the cat sat on the", " mat")
+    runs = []
+    for compressor in (Identity(), KIVI(bits=2, group_size=16)):
+        lm = CompressedKVLM(named, compressor, residual=0, progress=False)
+        sides = []
+        real = lm.generate
+        monkeypatch.setattr(lm, "generate", lambda cache, *a, sides=sides, real=real: sides.append(cache.compressor is None)
+                            or real(cache, *a))
+        lm.generate_until([gen])
+        lm.loglikelihood([ll])
+        runs.append((sides, lm.replay().generate_until([gen]), lm.replay().loglikelihood([ll])))
+    (first, *base_1), (second, *base_2) = runs
+    assert first == [False, True] and second == [False]  # the second compressor's run generates only its own side
+    assert base_1 == base_2 and len(lm_module.BASELINES) == 2
+    built = CompressedKVLM(ModelHandle.from_loaded(tiny_model, ByteTokenizer(), OmegaConf.create({"name": "tiny"})), Identity())
+    assert built.memo_key("gen", built.prompt("abc")) is None  # a model built in the process is never kept
 
 
 def test_kivi_scores_differ_from_the_baseline(handle):

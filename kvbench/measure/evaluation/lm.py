@@ -20,9 +20,11 @@ Two protocols decide where the split falls:
   A task without a separable question (``query`` absent) has only its prompt's last token as the query.
 * ``query_aware`` (the earlier behaviour): everything but the prompt's last token is compressed, question included.
 
-The prefill is shared, so the baseline costs only the query and scoring passes. The compressed results go back to
-lm-eval; the baseline's are kept for :class:`ReplayLM`, which hands them to a second lm-eval pass over the same
-requests, so both sets of metrics come from lm-eval's own metric code on identical examples.
+The prefill is shared, so the baseline costs only the query and scoring passes; and the baseline's results do not
+depend on the compressor, so a process keeps them (:data:`BASELINES`) and a sweep of eval cells in one process runs
+each request's baseline once. The compressed results go back to lm-eval; the baseline's are kept for
+:class:`ReplayLM`, which hands them to a second lm-eval pass over the same requests, so both sets of metrics come
+from lm-eval's own metric code on identical examples.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from kvbench.core.checks import check_choice
 from kvbench.core.compressor import Compressor
 
 PROTOCOLS = ("context_only", "query_aware")
+#: the baseline's result of each request, by (model, device, cache dtype, protocol, prompt tokens, request): the
+#: same whatever the compressor (a model built in the process is never kept: its weights have no name)
+BASELINES: dict[tuple, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,23 @@ class CompressedKVLM(LM):
         return CompressedCache(compressor, model=self.handle, hold="decoded", **self.cache_kw)
 
     @torch.no_grad()
-    def caches(self, prompt: Prompt) -> tuple[CompressedCache, CompressedCache]:
-        """The context prefilled once in 16 bits, loaded into the compressed cache and into the baseline's."""
+    def caches(self, prompt: Prompt, baseline: bool = True) -> tuple[CompressedCache, CompressedCache | None]:
+        """The context prefilled once in 16 bits, loaded into the compressed cache and (``baseline``) into the
+        baseline's."""
         prefill = DynamicCache()  # full layers only: sliding-window layers keep every token, as in capture
         if prompt.context:
             self.model(torch.tensor([prompt.context], device=self._device), cache=prefill, use_cache=True, logits_to_keep=1)
-        return self._load(self.compressor, prefill, prompt.context), self._load(None, prefill, prompt.context)
+        comp = self._load(self.compressor, prefill, prompt.context)
+        return comp, self._load(None, prefill, prompt.context) if baseline else None
+
+    def memo_key(self, kind: str, prompt: Prompt, *request: Any) -> tuple | None:
+        """Where :data:`BASELINES` keeps a request's baseline result; None for a model built in this process."""
+        if (getattr(self.handle, "_meta", None) or {}).get("built_in_process"):
+            return None
+        cfg = self.handle.cfg
+        model = tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+        return (model, str(self._device), str(self.cache_kw["dtype"]), self.protocol, kind, tuple(prompt.context),
+                tuple(prompt.query), *request)
 
     def _load(self, compressor: Compressor | None, prefill: DynamicCache, ids: list[int]) -> CompressedCache:
         cache = self.cache(compressor)
@@ -232,10 +248,14 @@ class CompressedKVLM(LM):
         out: list[Any] = [None] * len(requests)
         for (ctx, query), items in (_bar(groups.items(), desc="loglikelihood") if self.progress else groups.items()):
             p = Prompt(list(ctx), list(query))
-            comp, base = self.caches(p)
-            for i, args, cont in items:
+            keys = [self.memo_key("ll", p, tuple(cont)) for _, _, cont in items]
+            comp, base = self.caches(p, baseline=not all(k in BASELINES for k in keys))
+            for (i, args, cont), key in zip(items, keys):
                 out[i] = self.score(comp, p.query, cont)
-                self.baseline[("ll", *args)] = self.score(base, p.query, cont)
+                got = BASELINES[key] if key in BASELINES else self.score(base, p.query, cont)
+                self.baseline[("ll", *args)] = got
+                if key is not None:
+                    BASELINES[key] = got
         return out
 
     def loglikelihood_rolling(self, requests) -> list[float]:
@@ -252,9 +272,13 @@ class CompressedKVLM(LM):
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
             p = self.prompt(context, getattr(req, "doc", None), room=max_new)
             self._note(req, p)
-            comp, base = self.caches(p)
+            key = self.memo_key("gen", p, max_new, tuple(until))
+            comp, base = self.caches(p, baseline=key not in BASELINES)
             out.append(self.generate(comp, p, max_new, until, "compressed"))
-            self.baseline[_gen_key(context, req.args[1])] = self.generate(base, p, max_new, until, "baseline")
+            got = BASELINES[key] if key in BASELINES else self.generate(base, p, max_new, until, "baseline")
+            self.baseline[_gen_key(context, req.args[1])] = got
+            if key is not None:
+                BASELINES[key] = got
         return out
 
     def replay(self) -> ReplayLM:

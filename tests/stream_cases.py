@@ -32,6 +32,7 @@ VARIANTS = {
     "lossless/lzma": ("lossless", ("compressor.coder=lzma",)),
     "knorm/turboquant": ("knorm", ("compressor.inner=turboquant",)),
     "pipeline/kivi": ("pipeline", ("compressor.inner={name:kivi,residual:16}",)),
+    "fp8/window": ("fp8", ("compressor.window=32",)),  # the README's example, keeping an exact window
 }
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from stream_cases import ALL, build, instantiate, needs_model
+from stream_cases import ALL, VARIANTS, build, instantiate, needs_model
 
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bytes
@@ -51,7 +51,7 @@ def _check_roundtrip(case, outs):
                 assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept])
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + list(VARIANTS))
 def test_roundtrip_shapes_accounting_and_checksum(name):
     case = build(name)
     comp, bs = case.encoder, case.stream

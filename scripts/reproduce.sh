@@ -142,19 +142,21 @@ lane_measured() {
         step "frontier ($m)" study frontier "${sel[@]}" "${SIZE[@]}"
         mapfile -t sel < <(eviction_cells "$m" | only)
         step "eviction ($m)" study eviction "${sel[@]}" "${SIZE[@]}"
-        step "bound: 16-bit, lossless, exact delta ($m)" sweep +experiment=bound model="$m" "${SIZE[@]}" \
+        # beside the bound: coders of the sequential study (configs/experiment/sequential*.yaml) at their defaults
+        step "bound: 16-bit, lossless, exact delta ($m)" sweep model="$m" "${SIZE[@]}" \
             +compressor=identity,lossless,delta
-        step "bound: coders that run the model ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" \
+        step "bound: coders that run the model ($m)" sweep model="$m" "${ONE_WINDOW[@]}" \
             +compressor=identity,recompute
-        step "speculative: delta, model predictor ($m)" sweep +experiment=bound model="$m" "${ONE_WINDOW[@]}" \
+        step "speculative: delta, model predictor ($m)" sweep model="$m" "${ONE_WINDOW[@]}" \
             +compressor=speculative compressor.step=0.1
         # transformers' QuantizedCache takes models whose layers all attend fully: not gemma-3's sliding layers
         local baseline=() with=""
         if [[ $m != gemma3_270m ]]; then baseline=("latency.baselines=[transformers_quantized]") with=", QuantizedCache"; fi
         step "latency: KIVI 2-bit resident, DynamicCache$with ($m)" kvb latency model="$m" \
             +compressor=kivi compressor.bits=2 "${baseline[@]}" "${LATENCY[@]}"
-        step "prefix sharing ($m)" sweep +experiment=prefix_sharing model="$m" workload.n_sessions=$SESSIONS \
-            +compressor=trie workload.target_share_rate=$SHARE
+        # exact dedup at block 16 against the share rate: prefix_sharing_sweep's cells, at $SESSIONS sessions
+        step "prefix sharing ($m)" sweep +experiment=prefix_sharing_sweep model="$m" workload.n_sessions=$SESSIONS \
+            "compressor={block_size:16}" workload.target_share_rate=$SHARE
         for c in "kivi compressor.bits=2" "turboquant compressor.bits=3"; do
             read -r -a comp <<< "$c"
             step "restore ${comp[0]} ($m)" kvb restore model="$m" "+compressor=${comp[0]}" "${comp[@]:1}" \

@@ -11,6 +11,7 @@ results/accuracy.md between its markers.
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("accuracy", __doc__.split("\n\n")[0], findings="accuracy.md"))
+    sys.exit(main("accuracy", __doc__.split("\n\n")[0], **study("accuracy").options()))

@@ -13,6 +13,7 @@ and its tables into results/eviction.md between its markers (the findings around
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("eviction", __doc__.split("\n\n")[0], lock=True, findings="eviction.md"))
+    sys.exit(main("eviction", __doc__.split("\n\n")[0], **study("eviction").options()))

@@ -13,6 +13,7 @@ results/frontier.md between its markers (the findings around them are kept).
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("frontier", __doc__.split("\n\n")[0], lock=True, findings="frontier.md"))
+    sys.exit(main("frontier", __doc__.split("\n\n")[0], **study("frontier").options()))

@@ -13,6 +13,7 @@ results/report/figures/end_to_end.{png,pdf}) and its table into results/latency.
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("end_to_end", __doc__.split("\n\n")[0], lock=True, isolate=True, findings="latency.md"))
+    sys.exit(main("end_to_end", __doc__.split("\n\n")[0], **study("end_to_end").options()))

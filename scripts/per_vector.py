@@ -12,6 +12,7 @@ results/per_vector.md between its markers (the findings around them are kept).
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("per_vector", __doc__.split("\n\n")[0], lock=True, findings="per_vector.md"))
+    sys.exit(main("per_vector", __doc__.split("\n\n")[0], **study("per_vector").options()))

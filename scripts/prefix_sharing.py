@@ -12,6 +12,7 @@ results/prefix_sharing.md) and results/report/figures/prefix_sharing_{ratio,budg
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("prefix_sharing", __doc__.split("\n\n")[0], lock=True))
+    sys.exit(main("prefix_sharing", __doc__.split("\n\n")[0], **study("prefix_sharing").options()))

@@ -22,8 +22,9 @@
 # findings the first time, when each figure typed in them is reported until it is rewritten as a reference into the
 # evidence). The evidence is of one clean commit: on a dirty tree this script refuses to publish unless ALLOW_MIXED=1.
 #
-# The README's cells are cells of the per-part studies (scripts/frontier.py, eviction.py, ruler.py run with
-# --only: the same configs, so the same cell keys as results/frontier.md etc.), measured afresh under
+# The README's cells are cells of the per-part studies (the `reproduce` patterns of configs/study/frontier.yaml,
+# eviction.yaml and ruler.yaml, run by scripts/frontier.py, eviction.py, ruler.py with --only: the same configs, so the
+# same cell keys as results/frontier.md etc.), measured afresh under
 # $RESULTS/sweeps/reproduce/runs (git-ignored, emptied at the start). Two lanes run side by side, one torch thread
 # each: the measured lane (every cell whose encode/decode or latency is reported, each under the machine's benchmark
 # lock) and the accuracy lane (RULER cells, nothing of them timed; the measured lane takes RULER cells too once its own
@@ -78,6 +79,16 @@ ONE_WINDOW=(dataset.n_sequences=1 dataset.n_calib=1 dataset.seq_len=256)
 SIZED=()
 for o in "${RULER_SIZE[@]}"; do SIZED+=(--override "$o"); done
 
+# The cells of the README, per model: the `reproduce` patterns of configs/study/{frontier,eviction,ruler}.yaml (each
+# a cell of that study, picked with --only), read once here so that a config that does not load stops the script.
+declare -A ONLY
+for m in $MODELS; do
+    for s in frontier eviction ruler; do
+        ONLY[$s.$m]=$("$PY" -m kvbench.sweep.studies_config reproduce "$s" "$m")
+        [[ -n ${ONLY[$s.$m]} ]] || { log "error: configs/study/$s.yaml lists no reproduce cell for $m"; exit 1; }
+    done
+done
+
 SHA=$(git rev-parse --short HEAD)
 log "kvbench reproduce: $SHA$(git diff --quiet HEAD -- kvbench compressors configs scripts || echo -dirty)," \
     "models: $MODELS, quick: ${QUICK:-0}, findings: ${FINDINGS:-0}, $(nproc --all) cores"
@@ -99,50 +110,16 @@ if [[ "${KEEP_TRACES:-0}" != 1 ]]; then
     rm -rf "$HOME_DIR/traces" "$HOME_DIR/sessions"
 fi
 
-# The cells of the README, per model. Frontier: every family at the rates that bracket its 1% point; KVTC without
-# its exact window on SmolLM2 (the transform coder's own rate, and the only coder near 1 bit/element).
-frontier_cells() {
-    local m=$1
-    echo "frontier_kivi model=$m compressor.bits=2"
-    echo "frontier_kivi model=$m compressor.bits=4"
-    echo "frontier_turboquant model=$m compressor={bits:2,entropy_coding:True}"
-    echo "frontier_turboquant model=$m compressor={bits:3,entropy_coding:True}"
-    echo "frontier_kvquant model=$m compressor.bits=2"
-    echo "frontier_kvquant model=$m compressor.bits=3"
-    echo "frontier_kvtc model=$m compressor.bits=2"
-    echo "frontier_aquakv model=$m compressor.bits=2"
-    echo "frontier_aquakv model=$m compressor.bits=3"
-    echo "frontier_delta model=$m compressor.bits=3"
-    if [[ $m == smollm2_135m ]]; then
-        echo "frontier_kvtc_window0 compressor.bits=1"
-        echo "frontier_kvtc_window0 compressor.bits=2"
-    fi
-}
-# Eviction at half the tokens against random eviction, and SnapKV in front of TurboQuant 3-bit.
-eviction_cells() {
-    local m=$1
-    for c in snapkv streaming_llm random_eviction; do
-        echo "eviction model=$m +compressor=$c compressor.keep=0.5"
-    done
-    echo "eviction_inner model=$m compressor.keep=0.5 compressor.inner={name:turboquant,bits:3}"
-}
-# RULER: KIVI 2-bit, TurboQuant 3-bit and SnapKV keeping half, each paired with the 16-bit cache (that the 16-bit
-# cache through the harness reproduces every baseline answer is a test: tests/test_ruler.py).
-ruler_cells() {
-    echo "ruler +compressor=kivi"
-    echo "ruler_turboquant compressor.bits=3"
-    echo "ruler_eviction +compressor=snapkv"
-}
 only() { local a=(); while read -r line; do a+=(--only "$line"); done; printf '%s\n' "${a[@]}"; }
 
 lane_measured() {
     LANE=measured
     for m in $MODELS; do
-        mapfile -t sel < <(frontier_cells "$m" | only)
+        mapfile -t sel < <(only <<< "${ONLY[frontier.$m]}")
         step "frontier ($m)" study frontier "${sel[@]}" "${SIZE[@]}"
-        mapfile -t sel < <(eviction_cells "$m" | only)
+        mapfile -t sel < <(only <<< "${ONLY[eviction.$m]}")
         step "eviction ($m)" study eviction "${sel[@]}" "${SIZE[@]}"
-        # beside the bound: coders of the sequential study (configs/experiment/sequential*.yaml) at their defaults
+        # beside the bound: coders of the sequential study (configs/study/sequential.yaml) at their defaults
         step "bound: 16-bit, lossless, exact delta ($m)" sweep model="$m" "${SIZE[@]}" \
             +compressor=identity,lossless,delta
         step "bound: coders that run the model ($m)" sweep model="$m" "${ONE_WINDOW[@]}" \
@@ -169,7 +146,7 @@ lane_measured() {
 # RULER cells are shared out one at a time (a queue under a lock), so the measured lane takes its share once its own
 # cells are done instead of leaving a core idle
 RULER_QUEUE=$(mktemp)
-for m in $MODELS; do ruler_cells | sed "s/^/$m /"; done > "$RULER_QUEUE"
+for m in $MODELS; do sed "s/^/$m /" <<< "${ONLY[ruler.$m]}"; done > "$RULER_QUEUE"
 ruler_next() { flock "$RULER_QUEUE.lock" sh -c 'head -n 1 "$1"; sed -i 1d "$1"' _ "$RULER_QUEUE"; }
 lane_ruler() {
     local item m

@@ -11,6 +11,7 @@ For the second model: ``model=gemma3_270m``.
 import sys
 
 from kvbench.studies import main
+from kvbench.sweep.studies_config import study
 
 if __name__ == "__main__":
-    sys.exit(main("ruler", __doc__.split("\n\n")[0], findings="accuracy.md"))
+    sys.exit(main("ruler", __doc__.split("\n\n")[0], **study("ruler").options()))

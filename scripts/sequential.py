@@ -11,17 +11,12 @@ results/report/figures/sequential.{png,pdf}. The ideal -log2 p columns are the c
 (compressor_stats); the rate itself is always the harness's count of the bitstream.
 """
 
-import os
 import sys
 
-#: on a 2-core machine shared with other jobs two threads spin against each other, and the one-token-at-a-time
-#: coders run several times slower than on one
-THREADS = "1"
+from kvbench.sweep.studies_config import pin_threads, study
 
 if __name__ == "__main__":
-    if os.environ.get("OMP_NUM_THREADS") != THREADS:  # torch reads it once, when it loads: run again with it set
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OMP_NUM_THREADS": THREADS})
+    pin_threads(study("sequential").driver.threads)  # one torch thread (configs/study/sequential.yaml says why)
     from kvbench.studies import main
 
-    sys.exit(main("sequential", __doc__.split("\n\n")[0], runs="sweeps/sequential", lock=True,
-                  slow=("recompute", "speculative")))
+    sys.exit(main("sequential", __doc__.split("\n\n")[0], **study("sequential").options()))

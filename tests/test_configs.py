@@ -1,7 +1,8 @@
 """The Hydra configs as the commands compose them: what the measuring commands share comes from configs/base.yaml and
 the compressed cache's knobs from the ``cache`` group, and neither move changed a resolved config or a cell key (the
 keys pinned here are those runs were filed under before); every option of every config group composes for the
-commands that take it, and what it selects builds."""
+commands that take it, and what it selects builds. A study is a config (configs/study/): every preset belongs to
+exactly one, each study's presets compose and build, and the cells reproduce.sh takes of it are cells of it."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_cell_keys_are_those_runs_were_filed_under():
 # config group -> the commands that take it (compressor as +compressor=NAME); experiment: tests/test_scripts.py
 GROUPS = {"model": COMMANDS, "dataset": COMMANDS, "compressor": ["run"], "workload": ["run"],
           "cache": ["eval", "latency"]}
-NOT_COMMAND_GROUPS = {"experiment", "hydra"}
+NOT_COMMAND_GROUPS = {"experiment", "hydra", "study"}  # presets and studies: below
 
 
 def test_every_config_group_is_composed_here():
@@ -93,3 +94,65 @@ def test_every_option_of_every_group_composes_and_builds_what_it_selects(group, 
             assert make_workload(node).name == option
     elif group in ("model", "dataset"):
         assert node.name == option
+
+
+MODELS = ("smollm2_135m", "gemma3_270m")
+
+
+def test_every_preset_belongs_to_exactly_one_study_and_a_borrowed_one_to_another():
+    from kvbench.sweep.studies_config import studies
+
+    owners: dict[str, list[str]] = {}
+    for s in studies().values():
+        for name in s.owned:
+            owners.setdefault(name, []).append(s.name)
+    assert {n: o for n, o in owners.items() if len(o) > 1} == {}, "a preset owned by two studies"
+    assert sorted(owners) == available("experiment"), "a preset of no study: join the study it serves, or go"
+    for s in studies().values():
+        assert all(owners[b] != [s.name] for b in s.borrowed), s.name
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIG_DIR / "study").glob("*.yaml")))
+def test_every_study_names_its_section_command_findings_and_driver_and_its_presets_build(name):
+    from kvbench.core.config import make_compressor
+    from kvbench.inputs.workloads import make_workload, selected
+    from kvbench.report.sections import SECTIONS
+    from kvbench.store.paths import repo_root
+    from kvbench.sweep.presets import cell_overrides
+    from kvbench.sweep.studies_config import study
+
+    s = study(name)
+    assert s.section in SECTIONS and SECTIONS[s.section].presets == s.presets
+    assert s.command in MEASURING
+    assert s.findings is None or (repo_root() / "results" / s.findings).is_file()
+    driver = [p for p in (repo_root() / "scripts").glob("*.py") if f'study("{name}").options()' in p.read_text()]
+    assert len(driver) == 1, f"one script in scripts/ drives {name} with its options"
+    for preset in s.presets:  # the first cell of each preset, as its driver composes it
+        cfg = compose(cell_overrides(preset)[0], config_name=s.command)
+        make_compressor(cfg.compressor)
+        if selected(cfg.get("workload")):
+            make_workload(cfg.workload)
+
+
+def test_the_cells_reproduce_takes_of_a_study_are_its_cells_one_a_pattern():
+    from kvbench.studies import matching
+    from kvbench.sweep.studies_config import studies
+
+    taken = {}
+    for s in (s for s in studies().values() if s.reproduce):
+        assert set(s.reproduce) <= {"every_model", *MODELS}, s.name
+        every = cells(s.presets)
+        for m in MODELS:
+            # presets with a model axis name the model in the pattern, the others take it as an override
+            named = any("{model}" in p for p in s.reproduce.get("every_model", ()))
+            todo = every if named else cells(s.presets, [f"model={m}"])
+            for pattern in s.reproduce_patterns(m):
+                (cell,) = matching(todo, [pattern])
+                assert cell.cfg.model.name == m, pattern
+                taken[(s.name, m, pattern)] = cell.key
+    # as scripts/reproduce.sh listed them: 12 frontier cells on SmolLM2 (KVTC without its window there alone), 10 on
+    # gemma; 4 eviction and 3 RULER cells on each
+    per = {(st, m): sum(1 for k in taken if k[:2] == (st, m)) for st, m, _ in taken}
+    assert per == {("frontier", "smollm2_135m"): 12, ("frontier", "gemma3_270m"): 10, ("eviction", "smollm2_135m"): 4,
+                   ("eviction", "gemma3_270m"): 4, ("ruler", "smollm2_135m"): 3, ("ruler", "gemma3_270m"): 3}
+    assert len(set(taken.values())) == len(taken)

@@ -66,6 +66,8 @@ def test_study_drivers_are_thin_and_name_a_report_section(path):
     if path.name != "results_readme.py":
         name = re.search(r"""main\(\s*["'](\w+)["']""", text)
         assert name and name.group(1) in SECTIONS, "a driver runs the presets of a report section"
+        # its lock, findings page and the rest are its study's (configs/study/NAME.yaml), not the script's
+        assert f'**study("{name.group(1)}").options()' in text, "a driver takes its options from its study config"
 
 
 def test_every_section_preset_is_a_file_whose_header_names_its_command():

@@ -1,6 +1,7 @@
-"""The report's sections, listed here once: the presets whose cells each study section shows, and the function
-that builds its tables and figures (one module per section, ``<name>_section``). ``overview`` shows every run under
-the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
+"""The report's sections, listed here once: the function that builds each one's tables and figures (one module per
+section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview`` shows every run under the report's dirs;
+which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations
@@ -16,34 +17,35 @@ from kvbench.report.sections.ruler_section import ruler_study
 from kvbench.report.sections.section_types import Figures, Section, Table
 from kvbench.report.sections.selection import select
 from kvbench.report.sections.sequential_section import sequential
-from kvbench.sweep.presets import Preset
+from kvbench.sweep.studies_config import Study, studies
 
 __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 
 
-def _presets(kind: str, *names: str) -> tuple[Preset, ...]:
-    return tuple(Preset(kind, n) for n in names)
+#: section name -> the function that builds its tables and figures, in the report's order
+BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
+            "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
+            "eviction": eviction}
+#: sections with no study: they show every run under the report's dirs
+ALL_RUNS = ("overview",)
 
 
-MATCHED_BITS = ("matched_bits", "matched_bits_turboquant")
-FRONTIER = ("frontier_kvtc", "frontier_kvtc_window0", "frontier_aquakv", "frontier_kvquant", "frontier_turboquant",
-            "frontier_kivi", "frontier_delta")
-SECTIONS = {s.name: s for s in (
-    Section("overview", (), overview),
-    Section("per_vector", _presets("run", "per_vector_turboquant", "per_vector_kivi"), per_vector),
-    Section("sequential", _presets("run", "sequential", "sequential_delta", "sequential_delta_bits",
-                                   "sequential_speculative"), sequential),
-    Section("prefix_sharing", _presets("run", "prefix_sharing_sweep", "prefix_sharing_budget",
-                                       "prefix_sharing_families", "prefix_sharing_compose",
-                                       "prefix_sharing_compose_kivi", "prefix_sharing_compose_pipeline"),
-            prefix_sharing),
-    Section("accuracy", _presets("eval", *MATCHED_BITS), accuracy_study),
-    Section("ruler", _presets("eval", "ruler", "ruler_kivi", "ruler_turboquant", "ruler_delta", "ruler_eviction"), ruler_study),
-    Section("end_to_end", _presets("latency", *MATCHED_BITS, "latency_lossless", "latency_model"), end_to_end),
-    Section("frontier", _presets("run", *FRONTIER), frontier),
-    # the per-vector quantizers of the frontier presets are the eviction study's reference at similar stored bits
-    Section("eviction", _presets("run", "eviction", "eviction_inner", "frontier_kivi", "frontier_turboquant"), eviction),
-)}
+def _registry() -> dict[str, Section]:
+    """Each section with the presets of the study that names it (configs/study/)."""
+    by_section: dict[str, Study] = {}
+    for s in studies().values():
+        if s.section not in BUILDERS or s.section in ALL_RUNS or s.section in by_section:
+            raise ValueError(f"study {s.name} names section {s.section!r}: one study a section, of "
+                             f"{sorted(set(BUILDERS) - set(ALL_RUNS))}")
+        by_section[s.section] = s
+    lacking = sorted(set(BUILDERS) - set(ALL_RUNS) - set(by_section))
+    if lacking:
+        raise ValueError(f"no study in configs/study/ names section(s) {lacking}")
+    return {name: Section(name, () if name in ALL_RUNS else by_section[name].presets, build)
+            for name, build in BUILDERS.items()}
+
+
+SECTIONS = _registry()
 
 
 def section(name: str) -> Section:

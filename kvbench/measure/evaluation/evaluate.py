@@ -218,6 +218,6 @@ def format_eval(s: dict) -> str:
             continue
         name = f"{name} (near chance)" if t.get("near_chance") else name
         lines.append(f"  {name:<16} {t['n']:>4}  {t['acc_base']:.3f} ± {t['stderr_base']:.3f}  {t['acc_comp']:.3f} ± {t['stderr_comp']:.3f}  "
-                     f"{t['diff']:+.3f} [{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]  {t['p_value']:>9.3g}  "
-                     f"{t['detectable_diff']:>10.3f}")
+                     f"{t['diff']:+.3f} [{t['ci95_low']:+.3f}, {t['ci95_high']:+.3f}]  "
+                     f"{t.get('p_value', t.get('mcnemar_p', math.nan)):>9.3g}  {t.get('detectable_diff', math.nan):>10.3f}")
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from conftest import tiny_llama
 
 from compressors.eviction.evict import select
 from compressors.eviction.expected_attention import ExpectedAttention
-from compressors.eviction.h2o import H2O
+from compressors.eviction.h2o import H2O, accumulated_scores
 from compressors.eviction.kept_positions import (
     ALL,
     GAPS,
@@ -23,11 +23,11 @@ from compressors.eviction.kept_positions import (
     encode_positions,
 )
 from compressors.eviction.knorm import KNorm
-from compressors.eviction.query_attention import Queries, attention_sums, capture_queries
+from compressors.eviction.query_attention import Queries, attention_sums, capture_queries, per_kv_head
 from compressors.eviction.random_eviction import RandomEviction
 from compressors.eviction.snapkv import SnapKV
 from compressors.eviction.streaming_llm import StreamingLLM
-from compressors.eviction.tova import TOVA
+from compressors.eviction.tova import TOVA, last_query_scores
 from compressors.quantizers.turboquant import TurboQuant
 from kvbench.coding.bitstream import Bitstream
 from kvbench.core.codec import decoder_for, state_bytes
@@ -272,6 +272,9 @@ def test_a_keep_that_would_keep_nothing_names_the_field_and_the_range(random_kv)
     (["+compressor=snapkv", "compressor.window=0"], r"snapkv\.window=0 is out of range"),
     (["+compressor=snapkv", "compressor.pooling=mean"], r"snapkv\.pooling='mean' is not allowed"),
     (["+compressor=h2o", "compressor.recent=2"], r"h2o\.recent=2 is out of range"),
+    (["+compressor=h2o", "compressor.normalize=2"], r"h2o\.normalize=2 is not allowed; choose one of \[True, False\]"),
+    (["+compressor=tova", "compressor.per_head=maybe"],
+     r"tova\.per_head='maybe' is not allowed; choose one of \[True, False\]"),
     (["+compressor=expected_attention", "compressor.future=0"], r"expected_attention\.future=0 is out of range"),
     (["+compressor=expected_attention", "compressor.covariance=2"], r"expected_attention\.covariance=2 is not allowed"),
     (["+compressor=random_eviction", "compressor.seed=-1"], r"random_eviction\.seed=-1 is out of range"),
@@ -330,13 +333,62 @@ def test_sliding_windows_and_soft_capping_restrict_attention():
 @pytest.mark.parametrize("name", ["snapkv", "tova", "h2o", "expected_attention"])
 def test_attention_scores_differ_per_kv_head(name, trace):
     _, kv, ctx = trace
-    comp = METHODS[name]
+    comp = TOVA(keep=0.3, per_head=True) if name == "tova" else METHODS[name]
     scores = comp.scores(kv, ctx)  # (L, H, T)
     kept = comp.kept_mask(kv, ctx)
     assert scores.shape == kv.shape[:3]
     assert not torch.allclose(scores[:, 0], scores[:, 1])
     if name != "h2o":  # on a random tiny model the causal sums of every head favour the same earliest tokens
         assert not torch.equal(kept[:, 0], kept[:, 1])
+
+
+def test_tova_averages_the_last_querys_attention_over_the_heads_of_a_layer():
+    attn = torch.tensor([[[0.1, 0.2, 0.7], [0.3, 0.3, 0.4], [0.6, 0.2, 0.2], [0.0, 0.5, 0.5]]])  # (1, Hq=4, 3)
+    got = last_query_scores(attn, 2, per_head=False)  # (1, H=2, 3)
+    mean = torch.tensor([(0.1 + 0.3 + 0.6 + 0.0) / 4, (0.2 + 0.3 + 0.2 + 0.5) / 4, (0.7 + 0.4 + 0.2 + 0.5) / 4])
+    torch.testing.assert_close(got, mean.expand(1, 2, 3))
+    per_head = last_query_scores(attn, 2, per_head=True)  # each KV head's two query heads summed
+    torch.testing.assert_close(per_head, torch.tensor([[[0.4, 0.5, 1.1], [0.6, 0.7, 0.7]]]))
+
+
+def test_tova_keeps_the_same_positions_in_every_kv_head_of_a_layer(trace):
+    _, kv, ctx = trace
+    comp = TOVA(keep=0.3)
+    assert comp.per_head is False
+    attn = attention_sums(capture_queries("test", kv, ctx, T - 1), kv.k)  # (L, Hq, T)
+    scores = comp.scores(kv, ctx)  # (L, H, T)
+    torch.testing.assert_close(scores, attn.mean(1, keepdim=True).expand_as(scores))
+    kept = comp.kept_mask(kv, ctx)
+    assert (kept == kept[:, :1]).all() and (kept.sum(-1) == round(0.3 * T)).all()
+    assert torch.equal(kept, select(scores, round(0.3 * T), 0, 1))
+
+
+def test_tova_per_head_reproduces_the_per_kv_head_selection(trace):
+    _, kv, ctx = trace
+    comp = TOVA(keep=0.3, per_head=True)
+    earlier = per_kv_head(attention_sums(capture_queries("test", kv, ctx, T - 1), kv.k), kv.shape[1])  # (L, H, T)
+    torch.testing.assert_close(comp.scores(kv, ctx), earlier)
+    assert torch.equal(comp.kept_mask(kv, ctx), select(earlier, round(0.3 * T), 0, 1))
+
+
+def test_h2o_normalised_scores_are_the_raw_sums_over_the_number_of_queries_that_see_each_key():
+    # T = 4: key i is seen by 4 - i causal queries; the raw sums favour the earliest key, the means do not
+    sums = torch.tensor([[[3.0, 2.0, 1.5, 1.0], [1.0, 1.2, 0.5, 0.2]]])  # (1, Hq=2, 4)
+    raw = accumulated_scores(sums, 1, normalize=False)  # (1, 1, 4)
+    norm = accumulated_scores(sums, 1, normalize=True)
+    torch.testing.assert_close(raw, torch.tensor([[[4.0, 3.2, 2.0, 1.2]]]))
+    torch.testing.assert_close(norm, torch.tensor([[[3 / 4 + 1 / 4, 2 / 3 + 1.2 / 3, 1.5 / 2 + 0.5 / 2, 1.0 + 0.2]]]))
+    torch.testing.assert_close(norm * torch.tensor([4.0, 3.0, 2.0, 1.0]), raw)
+    assert raw[0, 0].argmax() == 0 and norm[0, 0].argmax() == 3
+
+
+def test_h2o_scores_on_a_model_follow_the_normalize_field(trace):
+    _, kv, ctx = trace
+    sums = attention_sums(capture_queries("test", kv, ctx, 0), kv.k)  # (L, Hq, T)
+    raw = H2O(keep=0.3, normalize=False).scores(kv, ctx)
+    torch.testing.assert_close(raw, per_kv_head(sums, kv.shape[1]))
+    assert H2O(keep=0.3).normalize is True
+    torch.testing.assert_close(H2O(keep=0.3).scores(kv, ctx), raw / torch.arange(T, 0, -1, dtype=raw.dtype))
 
 
 def test_expected_attention_averages_rope_over_the_future_positions(trace):

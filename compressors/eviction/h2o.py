@@ -14,14 +14,34 @@ from kvbench.core.checks import check_range
 from kvbench.core.kv import Context, KVSequence
 
 
+def accumulated_scores(sums: torch.Tensor, n_kv_heads: int, normalize: bool) -> torch.Tensor:
+    """``(L, Hq, T)`` attention summed over every prefill query -> ``(L, H, T)`` scores, each KV head's query
+    heads summed.
+
+    ``normalize``: key ``i`` is divided by ``T - i``, the number of causal queries that see it (kvpress's rule),
+    so the score is the mean attention a key receives rather than a sum that grows with how early it is.
+    """
+    if normalize:
+        T = sums.shape[-1]
+        sums = sums / torch.arange(T, 0, -1, dtype=sums.dtype)  # (L, Hq, T) / (T,)
+    return per_kv_head(sums, n_kv_heads)
+
+
 @dataclass
 class H2O(Eviction):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
-    arXiv 2306.14048): heavy hitters by attention accumulated over every query of the prefill (causal, so an early
-    key collects from more queries), summed over each KV head's query heads, plus the most recent tokens.
-    ``recent`` is the share of the budget given to the recent window (the paper splits it evenly)."""
+    arXiv 2306.14048): heavy hitters by attention accumulated over every query of the prefill, summed over each
+    KV head's query heads, plus the most recent tokens. ``recent`` is the share of the budget given to the recent
+    window (the paper splits it evenly).
+
+    ``normalize=True`` (the reference, as kvpress's ``ObservedAttentionPress``): each key's accumulated attention
+    is divided by the number of queries that can see it, ``T - i`` for key ``i`` under the causal mask, so early
+    keys are not favoured merely for being seen by more queries. As in kvpress the count ignores a layer's sliding
+    window (the two agree while ``T`` is within it). ``normalize=False`` keeps the raw causal sum.
+    """
 
     recent: float = 0.5
+    normalize: bool = True
 
     name = "h2o"
     needs_model = True
@@ -30,9 +50,13 @@ class H2O(Eviction):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range(self.name, "recent", self.recent, 0.0, 1.0)
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"{self.name}.normalize={self.normalize!r} is not allowed; choose one of [True, False] "
+                             "(True: mean attention per key, False: the raw sum over queries)")
 
     def protected(self, n_tokens: int, n_keep: int) -> tuple[int, int]:
         return 0, math.floor(self.recent * n_keep + 0.5)
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
-        return per_kv_head(attention_sums(capture_queries(self.name, kv, ctx, 0), kv.k), kv.shape[1])
+        sums = attention_sums(capture_queries(self.name, kv, ctx, 0), kv.k)  # (L, Hq, T)
+        return accumulated_scores(sums, kv.shape[1], self.normalize)

@@ -7,8 +7,9 @@ decoder needs:
 - the kept KV, at 16 bits or through any ``inner`` compressor (``inner=turboquant``: eviction, then quantization
   of what is left). Every (layer, KV head) keeps exactly ``round(keep * T)`` entries, so the kept KV packs as
   ``(L, H, K, D)`` and the inner compressor codes it as a sequence of ``K`` tokens;
-- the kept positions of every (layer, KV head) (methods keep different positions per head: KNorm and SnapKV
-  overlap by about half between heads on SmolLM2), entropy coded as whichever of two encodings is smaller,
+- the kept positions of every (layer, KV head) (most methods keep different positions per head: KNorm and SnapKV
+  overlap by about half between heads on SmolLM2; TOVA by default keeps one set per layer, coded once per head),
+  entropy coded as whichever of two encodings is smaller,
   one flag per stream saying which (:func:`compressors.eviction.kept_positions.encode_positions`);
 - the kept count, the flag and the model of the position coder, in a small header.
 

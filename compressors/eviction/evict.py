@@ -144,7 +144,7 @@ class Eviction(Compressor):
         return int(getattr(self, "sinks", 0)), int(getattr(self, "window", 0))
 
     def always_kept(self, n_tokens: int) -> Kept:
-        sinks, window = self.protected(n_tokens, math.floor(self.keep * n_tokens + 0.5))
+        sinks, window = self.protected(n_tokens, n_kept(self.name, self.keep, n_tokens))
         return Kept(sinks, window, self.window_word)
 
     def kept_coding(self) -> str:

@@ -3,12 +3,11 @@ tokens."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from compressors.eviction.evict import Eviction
+from compressors.eviction.evict import Eviction, n_kept
 from kvbench.core.compressor import Kept
 from kvbench.core.kv import Context, KVSequence
 
@@ -24,8 +23,7 @@ class StreamingLLM(Eviction):
     name = "streaming_llm"
 
     def always_kept(self, n_tokens: int) -> Kept:
-        k = math.floor(self.keep * n_tokens + 0.5)
-        return Kept(self.sinks, k - self.sinks)
+        return Kept(self.sinks, n_kept(self.name, self.keep, n_tokens) - self.sinks)
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         L, H, T, _ = kv.shape

@@ -192,6 +192,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
                                    continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), probe))
 
     baseline_mb = n_el * 2 / 1e6
+    context = round(n_tok / max(len(kvs), 1))  # tokens per coded sequence
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
@@ -205,7 +206,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "decode_s": dec.seconds,
         "decode_s_per_token": dec.seconds / n_tok if n_tok else math.nan,
         "decode_flops_per_token": compressor.decode_flops_per_token(handle.config if compressor.needs_model else None,
-                                                                    round(n_tok / max(len(kvs), 1))),
+                                                                    context),
         "fit_s": codec.fit_s,
         "fit_cached": codec.cached,
         "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,
@@ -224,7 +225,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "dtype": cfg.dtype,
         "device": cfg.device,
         "compressor_params": compressor.describe(),
-        "compressor_facts": compressor.facts(round(n_tok / max(len(kvs), 1))),
+        "compressor_facts": compressor.facts(context),
         "compressor_stats": codec.stats(),
         "model_loaded": handle.loaded,
         "git_sha": git_sha(),

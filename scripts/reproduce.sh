@@ -143,16 +143,18 @@ lane_measured() {
     lane_ruler
 }
 
-# RULER cells are shared out one at a time (a queue under a lock), so the measured lane takes its share once its own
-# cells are done instead of leaving a core idle
+# RULER is shared out a model at a time (a queue under a lock), so the measured lane takes its share once its own
+# cells are done instead of leaving a core idle. A model's RULER cells run in one process: the 16-bit baseline of
+# each example does not depend on the compressor, and the process answers it once for all of them.
 RULER_QUEUE=$(mktemp)
-for m in $MODELS; do sed "s/^/$m /" <<< "${ONLY[ruler.$m]}"; done > "$RULER_QUEUE"
+for m in $MODELS; do echo "$m $(paste -sd '\t' <<< "${ONLY[ruler.$m]}")"; done > "$RULER_QUEUE"
 ruler_next() { flock "$RULER_QUEUE.lock" sh -c 'head -n 1 "$1"; sed -i 1d "$1"' _ "$RULER_QUEUE"; }
 lane_ruler() {
-    local item m
+    local item m sel
     while item=$(ruler_next) && [[ -n $item ]]; do
         m=${item%% *}
-        step "RULER ($item)" study ruler --only "${item#* }" model="$m" "${RULER_SIZE[@]}"
+        mapfile -t sel < <(only <<< "$(tr '\t' '\n' <<< "${item#* }")")
+        step "RULER ($m)" study ruler "${sel[@]}" model="$m" "${RULER_SIZE[@]}"
     done
 }
 

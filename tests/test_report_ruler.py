@@ -21,7 +21,7 @@ def _evals() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_near_chance_tasks_are_flagged_and_left_out_of_the_pooled_row():
+def test_near_chance_tasks_are_flagged_and_left_out_of_the_pooled_row_of_a_summary_without_its_own():
     d = ruler_rows(_evals())
     assert set(d["task"]) == {"ruler_vt_1k", "ruler_cwe_1k", "ruler_vt_2k", "pooled (clear of chance)"}
     cwe = d[d["task"] == "ruler_cwe_1k"]
@@ -30,6 +30,21 @@ def test_near_chance_tasks_are_flagged_and_left_out_of_the_pooled_row():
     assert pooled["n"] == 20 and pooled["diff"] == pytest.approx(-0.1)  # the two vt tasks (-0.2, 0.0), not cwe (-0.1)
     assert pooled["ci95_high"] - pooled["diff"] == pytest.approx(1.96 * math.sqrt(0.5**2 * 0.1**2))
     assert pooled["smallest_significant_diff"] == pytest.approx(6 / 20)
+
+
+def test_the_pooled_row_is_the_summarys_own_stratified_bootstrap():
+    """A summary's ``overall_informative`` (stratified bootstrap, permutation or McNemar p, detectable change) is the
+    pooled row as it stands, not a normal interval rebuilt from per-task variances."""
+    ev = _evals().assign(**{"overall_informative.n": 20, "overall_informative.diff": -0.1,
+                            "overall_informative.ci95_low": -0.25, "overall_informative.ci95_high": 0.0,
+                            "overall_informative.p_value": 0.125, "overall_informative.paired_test": "mcnemar_exact",
+                            "overall_informative.detectable_diff": 0.31})
+    d = ruler_rows(ev)
+    pooled = d[(d["task"] == "pooled (clear of chance)") & (d["run_id"] == "r2")].iloc[0]
+    assert (pooled["ci95_low"], pooled["ci95_high"], pooled["p_value"]) == (-0.25, 0.0, 0.125)
+    assert pooled["detectable_diff"] == 0.31 and pooled["diff_ci_text"] == "[-0.250, +0.000]"
+    task = d[(d["task"] == "ruler_vt_1k") & (d["run_id"] == "r2")].iloc[0]
+    assert task["p_value"] == 1.0  # a summary that predates p_value: its McNemar p
 
 
 def test_the_section_writes_the_baseline_table_and_a_figure_per_model():

@@ -51,7 +51,7 @@ DISTANCE_COLUMNS = pick("model", "which", "compressor", "windows_text", "bits_pe
 PAPER_ARITHMETIC_COLUMNS = pick("model", "elements_per_token", "bound_bits_per_token", "paper_x_bound_text",
                                 formats={"elements_per_token": ",.0f"})
 RULER_POOLED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "bits_per_element", "n", "acc_base", "acc_comp", "diff",
-                            "diff_ci_text", "smallest_significant_diff", formats={"bits_per_element": ".2f"})
+                            "diff_ci_text", "p_value", "detectable_diff", formats={"bits_per_element": ".2f"})
 
 
 def _sha() -> str:

@@ -15,21 +15,35 @@ from kvbench.report.tables import pick
 
 RULER_BASE_COLUMNS = pick("model", "family", "length", "n", "acc_base", "chance", "near_chance_text")
 RULER_COLUMNS = pick("model", "compressor", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
-                     "diff_ci_text", "mcnemar_p", "smallest_significant_diff", formats={"bits_per_element": ".2f"})
+                     "diff_ci_text", "paired_test", "p_value", "detectable_diff", formats={"bits_per_element": ".2f"})
 RULER_BASE_NOTE = ("16-bit accuracy per task family and length (the baseline side of every paired run; the same "
-                   "examples in each). A task under chance + {margin} is flagged near chance: the model cannot do it, "
-                   "so it cannot lose it, and it is left out of the pooled verdicts.")
-RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 95% interval; pooled = every task "
-              "clear of chance; smallest significant change = 6 one-way flips over n, the least change McNemar can "
-              "call at p < 0.05 with these examples: a smaller true change reads as no change.")
+                   "examples in each); chance: the score of content-free answerers on the same examples. A task under "
+                   "chance + {margin} is flagged near chance: the model cannot do it, so it cannot lose it, and it is "
+                   "left out of the pooled verdicts.")
+RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 95% bootstrap interval over the "
+              "examples (pooled: stratified by task, over every task clear of chance), as each run's summary states "
+              "it; the test is exact McNemar where every score is 0 or 1, a paired permutation test where scores give "
+              "partial credit; detectable: the true change a two-sided test at the 5% level detects 80% of the time "
+              "with this many examples and the observed variance.")
+POOLED = "pooled (clear of chance)"
+
+
+def _pooled_row(g: pd.DataFrame) -> pd.DataFrame:
+    """A run's pooled row: its summary's own (``overall_informative.*``: stratified bootstrap over the tasks clear of
+    chance); for a run whose summary predates it, pooled here from its tasks' figures."""
+    first = g.iloc[[0]]
+    own = {c.removeprefix("overall_informative."): first[c].iloc[0] for c in g.columns
+           if c.startswith("overall_informative.")}
+    if own.get("n") is not None and numeric(pd.DataFrame([own]), "n").gt(0).all():
+        return first.assign(task=POOLED, length=math.nan, family="pooled", **own)
+    return first.assign(task=POOLED, length=math.nan, family="pooled", **pool_tasks(g[~g["near_chance"]]))
 
 
 def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:
     """The RULER tasks' eval rows with their family, length and near-chance flag (from the 16-bit accuracy, for
-    runs that predate the flag too), then per run a ``pooled`` row over the tasks clear of chance."""
+    runs that predate the flag too), then per run its ``pooled`` row over the tasks clear of chance."""
     from kvbench.measure.evaluation.evaluate import NEAR_CHANCE_MARGIN
     from kvbench.measure.evaluation.ruler import PREFIX
-    from kvbench.measure.evaluation.stats import smallest_significant_flips
 
     if ev.empty or "task" not in ev:
         return ev
@@ -42,12 +56,10 @@ def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:
     d["chance"] = numeric(d, "chance").fillna(0.0)
     d["near_chance"] = numeric(d, "acc_base") < d["chance"] + NEAR_CHANCE_MARGIN
     d["near_chance_text"] = d["near_chance"].map({True: "yes", False: ""})
-    d["smallest_significant_diff"] = smallest_significant_flips() / numeric(d, "n")
+    if "p_value" not in d:  # summaries that predate the paired permutation test
+        d["p_value"] = numeric(d, "mcnemar_p")
     d = d.assign(compressor=series_label(d, exclude=()))
-    pooled = []
-    for _, g in d.groupby("run_id", sort=False):
-        clear = g[~g["near_chance"]]
-        pooled.append(g.iloc[[0]].assign(task="pooled (clear of chance)", **pool_tasks(clear), length=math.nan, family="pooled"))
+    pooled = [_pooled_row(g) for _, g in d.groupby("run_id", sort=False)]
     out = pd.concat([d, *pooled], ignore_index=True)
     order = {r: i for i, r in enumerate(d["run_id"].drop_duplicates())}
     out = out.sort_values("run_id", key=lambda r: r.map(order), kind="stable").reset_index(drop=True)

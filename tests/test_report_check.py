@@ -124,6 +124,9 @@ def test_a_reference_selects_exactly_one_run_and_names_the_matches_otherwise(pub
     assert "no field 'compressor.varaint'" in err
     _, (err,) = render("{{ per_vector compressor.bits=2 | delta_nll }}")
     assert "a reference is" in err
+    # in a code span or fence it is an example of the syntax, shown as written
+    example = "`{{ nothing: compressor=kivi | delta_nll }}` and\n```\n{{ nothing: * | x }}\n```"
+    assert render(example) == (example, [])
 
 
 def test_a_reference_that_fails_fails_the_check(published, tmp_path):

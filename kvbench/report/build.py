@@ -62,7 +62,7 @@ def _evidence_command(args: argparse.Namespace) -> int:
         print(f"{len(runs)} runs -> {out}")
         return 0
     if args.register:
-        page = register(args.register, study=args.study)
+        page = register(args.register, study=args.study, literals=args.literals)
         print(f"{page.name}: rebuilt from {page.source} ({page.builder}) by python -m kvbench report --pages")
         return 0
     rc = 0
@@ -91,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="rebuild every evidence-backed page from results/evidence/ and fail on any difference")
     modes.add_argument("--export-evidence", metavar="STUDY",
                        help="copy the study's runs (summaries, per-token NLLs) into results/evidence/STUDY/")
-    modes.add_argument("--register", metavar="PAGE", help="make PAGE (under results/) evidence-backed")
+    modes.add_argument("--register", metavar="PAGE", help="make PAGE (under results/; ../README.md is the repository's) evidence-backed")
     modes.add_argument("--pages", action="store_true", help="rebuild the evidence-backed pages from the evidence")
     ap.add_argument("--allow-mixed", action="store_true",
                     help="with --export-evidence: publish runs of several code versions or a dirty tree (pages say so)")
     ap.add_argument("--wall-min", type=float, default=None, help="with --export-evidence: the measuring run's wall time")
-    ap.add_argument("--study", default=None, help="with --register of results/README.md: the study it shows")
+    ap.add_argument("--study", default=None,
+                    help="with --register: the study results/README.md shows, or a page's generated blocks show")
+    ap.add_argument("--literals", default="all", choices=("all", "findings"),
+                    help="with --register: check all of the page's hand-written text for typed figures, or only its "
+                         "findings blocks (a page whose other prose is documentation: ../README.md)")
     args = ap.parse_args(argv)
     if args.check or args.export_evidence or args.register or args.pages:
         try:

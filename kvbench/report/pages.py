@@ -41,19 +41,31 @@ REGISTRY = "pages.json"
 SOURCES = "pages"  # evidence/pages/: the sources (so no study is named "pages")
 HEADER = "evidence"  # the generated block after a page's title
 README_SECTIONS = ("overview", "frontier", "eviction", "ruler")
-BLOCK_WHY = "report section {key} from the evidence of study {key}: rebuilt by python -m kvbench report --pages"
+BLOCK_WHY = "report section {key} from the evidence of study {study}: rebuilt by python -m kvbench report --pages"
 HEADER_WHY = "which evidence this page is rebuilt from"
 FINDINGS_WHY = "written by hand in {source}, each figure a reference into the evidence; rendered here"
 SOURCE_WHY = "written by hand; figures only as references into the evidence (kvbench.report.refs)"
 
 
+#: what of a source is checked for figures typed by hand: all of it, or only its findings blocks (a page whose other
+#: prose is documentation, such as the repository's README)
+LITERALS = ("all", "findings")
+
+
 @dataclass(frozen=True)
 class Page:
-    name: str  # the page's path under the results root
+    name: str  # the page's path under the results root (``../README.md``: the repository's)
     source: str  # its source's, under the results root
     builder: str = "page"
-    study: str | None = None  # the readme builder's study
+    study: str | None = None  # the study whose evidence the readme builder, and a page's generated blocks, show
     report: str = "report"  # where its report files go, under the results root
+    literals: str = "all"  # a key of LITERALS
+
+
+def source_name(name: str) -> str:
+    """Where a page's source lives under ``evidence/pages/``: its name, with a step out of the results root
+    (``../``) as ``_up/``."""
+    return "/".join("_up" if part == ".." else part for part in Path(name).parts)
 
 
 @dataclass
@@ -94,17 +106,21 @@ def source_from_page(text: str) -> str:
 
 
 def register(name: str, results: str | os.PathLike | None = None, builder: str | None = None,
-             study: str | None = None, report: str | None = None) -> Page:
+             study: str | None = None, report: str | None = None, literals: str = "all") -> Page:
     """Register the page ``name`` (under the results root) as evidence-backed; its source, unless there is one,
-    is made from the page's hand-written text (for the readme builder, its findings blocks)."""
+    is made from the page's hand-written text (for the readme builder, its findings blocks). ``study``: whose
+    evidence the readme builder shows, or a page's generated blocks (default: the study named by each block);
+    ``literals``: what of the source the check for typed figures reads (:data:`LITERALS`)."""
     root = results_root(results)
     builder = builder or ("readme" if Path(name).name == "README.md" and Path(name).parent == Path() else "page")
     if builder not in ("page", "readme"):
         raise ValueError(f"builder {builder!r}; one of page, readme")
     if builder == "readme" and not study:
         raise ValueError("the readme builder needs the study whose evidence it shows (e.g. reproduce)")
-    page = Page(name, f"{evidence_root(results).relative_to(root).as_posix()}/{SOURCES}/{name}", builder, study,
-                report or ("report/readme" if builder == "readme" else "report"))
+    if literals not in LITERALS:
+        raise ValueError(f"literals {literals!r}; one of {', '.join(LITERALS)}")
+    page = Page(name, f"{evidence_root(results).relative_to(root).as_posix()}/{SOURCES}/{source_name(name)}", builder,
+                study, report or ("report/readme" if builder == "readme" else "report"), literals)
     src = root / page.source
     if not src.exists():
         text = (root / name).read_text() if (root / name).exists() else ""
@@ -115,7 +131,9 @@ def register(name: str, results: str | os.PathLike | None = None, builder: str |
             text = source_from_page(text)
         src.parent.mkdir(parents=True, exist_ok=True)
         write_with(src, lambda p: p.write_text(text))
-    entries = {n: {k: v for k, v in asdict(p).items() if k != "name" and v is not None}
+    defaults = asdict(Page("", ""))
+    entries = {n: {k: v for k, v in asdict(p).items()
+                   if k != "name" and v is not None and not (k in ("literals",) and v == defaults[k])}
                for n, p in {**registry(results), name: page}.items()}
     write_json(evidence_root(results) / REGISTRY, dict(sorted(entries.items())))
     return page
@@ -156,7 +174,10 @@ def build(page: Page, results: str | os.PathLike | None = None, report_out: Path
     except OSError as e:
         built.errors.append(f"source {page.source}: {e}")
         return built
-    built.literals = refs.literal_figures(hand_written(source))
+    checked = hand_written(source)
+    if page.literals == "findings":
+        checked = "\n".join(blocks(checked, "findings").values())
+    built.literals = refs.literal_figures(checked)
 
     def evidence(study: str) -> Evidence:
         if study not in built.studies:
@@ -167,7 +188,7 @@ def build(page: Page, results: str | os.PathLike | None = None, report_out: Path
         if page.builder == "readme":
             built.text = _readme(page, source, evidence, root, out, report_out, formats, built)
         else:
-            built.text = _page(source, evidence, out, report_out, formats, built)
+            built.text = _page(source, evidence, out, report_out, formats, built, page.study)
     except ValueError as e:  # no evidence, mixed code versions
         built.errors.append(str(e))
         built.text = None
@@ -176,19 +197,20 @@ def build(page: Page, results: str | os.PathLike | None = None, report_out: Path
     return built
 
 
-def _page(source: str, evidence, out: Path, report_out: Path, formats: Sequence[str], built: Built) -> str:
+def _page(source: str, evidence, out: Path, report_out: Path, formats: Sequence[str], built: Built,
+          study: str | None = None) -> str:
     text, errors = refs.render(source, lambda s: evidence(s).got)
     built.errors += errors
     for key in blocks(source, "generated"):
         if key == HEADER:
             continue
-        e = evidence(key)
+        e = evidence(study or key)
         res = write_report([], report_out, tuple(formats), sections=[key], overrides=e.overrides, got=e.got)
         built.report_files += res["written"]
         if key not in res["markdown"]:
-            built.errors.append(f"generated block {key}: the evidence of study {key} has no run of its cells")
+            built.errors.append(f"generated block {key}: the evidence of study {e.study} has no run of its cells")
             continue
-        text = replace_block(text, key, res["markdown"][key], BLOCK_WHY.format(key=key))
+        text = replace_block(text, key, res["markdown"][key], BLOCK_WHY.format(key=key, study=e.study))
     studies = "; ".join(_provenance(e, out) for e in built.studies.values())
     header = (f"Rebuilt from committed evidence by `python -m kvbench report --pages` (`--check` rebuilds it and "
               f"compares): {studies}.")

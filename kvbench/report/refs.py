@@ -43,6 +43,7 @@ from kvbench.report.collect import Collection, plain
 from kvbench.report.tables import CATALOGUE, format_value
 
 REFERENCE = re.compile(r"\{\{(.*?)\}\}", re.S)
+_FENCE_OR_CODE = re.compile(r"^```.*?^```|`[^`\n]+`", re.S | re.M)
 TABLES = {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore"}
 INTERVAL_FORMAT = "+.4f"
 
@@ -208,10 +209,14 @@ def resolve(ref: Reference, got: Collection) -> str:
 
 def render(text: str, evidence: Callable[[str], Collection]) -> tuple[str, list[str]]:
     """``text`` with every reference replaced by its value, and the errors (one per reference that failed, which is
-    left as written). ``evidence(study)`` gives a study's runs, or raises ValueError when it has none."""
+    left as written). ``evidence(study)`` gives a study's runs, or raises ValueError when it has none. A reference
+    inside a code span or fence is an example of the syntax, shown as written."""
     errors: list[str] = []
+    code = [(c.start(), c.end()) for c in _FENCE_OR_CODE.finditer(text)]
 
     def one(m: re.Match) -> str:
+        if any(a <= m.start() < b for a, b in code):
+            return m.group(0)
         try:
             ref = Reference.parse(m.group(1))
             return resolve(ref, evidence(ref.study))

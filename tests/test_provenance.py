@@ -46,3 +46,28 @@ def test_the_trace_key_names_the_capture_code(monkeypatch):
 def test_the_capture_code_version_reads_the_capture_modules():
     assert len(capture.capture_code_version()) == 16
     assert "kvbench.inputs.capture" in capture.CAPTURE_CODE
+
+
+def test_the_code_version_is_dirty_for_code_changes_not_for_a_studys_own_outputs(tmp_path, monkeypatch):
+    """A study rewrites its committed pages and log under results/ as it runs; that does not make the code it
+    measures another version. Any other tracked change does."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=k", "-c", "user.email=k@k", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "reproduce.log").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "one")
+    monkeypatch.setattr(results, "repo_root", lambda: tmp_path)
+    sha = results.git_sha()
+    assert len(sha) == 40
+    (tmp_path / "results" / "reproduce.log").write_text("new\n")
+    (tmp_path / "results" / "reproduce.log").unlink()
+    assert results.git_sha() == sha
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert results.git_sha() == sha + "-dirty"

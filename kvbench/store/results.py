@@ -104,13 +104,18 @@ def read_nll(run_dir: Path) -> list[tuple]:
     return [(base[a:b], comp[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
+#: what a study writes while it runs (its pages, report files, logs): changes there are not changes of the code
+OUTPUTS = "results"
+
+
 def git_sha() -> str:
-    """The code version: the checkout's commit, ``-dirty`` when tracked files differ from it."""
+    """The code version: the checkout's commit, ``-dirty`` when tracked files outside :data:`OUTPUTS` differ from
+    it (a study that rewrites its committed pages and log as it runs still measures the commit's code)."""
     try:
         out = subprocess.run(["git", "-C", str(repo_root()), "rev-parse", "HEAD"], capture_output=True, text=True)
         sha = out.stdout.strip() if out.returncode == 0 else "unknown"
-        dirty = subprocess.run(["git", "-C", str(repo_root()), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo_root()), "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", f":(exclude){OUTPUTS}"], capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except OSError:
         return "unknown"

@@ -373,3 +373,14 @@ def test_channel_major_rope_is_rotarys(name):
         for ref, got in ((rotary.undo(k, start), ours.undo(cm, start)), (rotary.apply(k, start), ours.apply(cm, start))):
             np.testing.assert_allclose(got.transpose(0, 1, 3, 2), ref.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ours.apply(ours.undo(cm, 5), 5), cm, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_fit_reported_survives_the_state_cache(biased, tmp_path):
+    from kvbench.core.codec import prepare
+
+    _, calib, _ = biased
+    cache = tmp_path / "kvquant.state"
+    first = prepare(KVQuant(bits=3), lambda: calib, cache=cache)
+    again = prepare(KVQuant(bits=3), lambda: calib, cache=cache)
+    assert again.cached and not first.cached
+    assert again.stats()["k_codebook_fit_on"] == first.stats()["k_codebook_fit_on"] == "pre_rope (captured)"

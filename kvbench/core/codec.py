@@ -56,6 +56,7 @@ class Codec:
     state: bytes
     fit_s: float
     cached: bool = False  # the state was fitted by an earlier run on the same calibration set
+    fit_stats: dict | None = None  # what the fit reported (kept beside a cached state, so a cached run reports it too)
 
     @property
     def codec_bits(self) -> int:
@@ -64,7 +65,7 @@ class Codec:
     def stats(self) -> dict:
         """What both sides measured along the way (encode stages on one, decode stages on the other); a number
         both report, such as a predictor's set-up time, is summed: each side paid it."""
-        out = dict(self.encoder.stats())
+        out = {**(self.fit_stats or {}), **self.encoder.stats()}
         for k, v in self.decoder.stats().items():
             out[k] = out[k] + v if isinstance(v, (int, float)) and isinstance(out.get(k), (int, float)) else out.get(k, v)
         return out
@@ -94,11 +95,25 @@ def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], d
         return Codec(compressor, decoder_for(compressor, state_bytes(compressor)), state_bytes(compressor), 0.0)
     if cache is not None and cache.exists():
         state = cache.read_bytes()
-        return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True)
+        side = _stats_path(cache)
+        fit_stats = json.loads(side.read_text()) if side.exists() else {}
+        return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True,
+                     fit_stats=fit_stats)
     windows = list(calib())
     with watch():
         compressor.fit(windows, config=config)
+    fit_stats = compressor.stats()
     state = state_bytes(compressor)
     if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
+        # the stats first: a state file on disk implies its stats are there
+        write_bytes(_stats_path(cache), json.dumps(fit_stats, sort_keys=True, default=_plain).encode())
         write_bytes(cache, state)
-    return Codec(compressor, decoder_for(compressor, state), state, watch.seconds)
+    return Codec(compressor, decoder_for(compressor, state), state, watch.seconds, fit_stats=fit_stats)
+
+
+def _stats_path(cache: Path) -> Path:
+    return cache.with_suffix(".stats.json")
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if hasattr(value, "item") else str(value)

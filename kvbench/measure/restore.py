@@ -12,8 +12,9 @@ output token. Three ways to get there:
 - **16-bit restore**: send the 16-bit KV and run the same forward pass;
 - **prefill**: send only the context's token ids and re-run the model on them and the new token.
 
-**Measured on this machine** (each the fastest of ``restore.repeats`` runs on ``restore.threads`` torch threads,
-after one warm-up pass on a short context): encode, decode, the first-token forward on the restored cache
+**Measured on this machine** (each the median of ``restore.repeats`` rounds on ``restore.threads`` torch threads,
+after one warm-up pass on a short context; every round's time is kept, and each crossover's spread is its lowest and
+highest value over the rounds): encode, decode, the first-token forward on the restored cache
 (building the cache from the decoded tensors included; its cost does not depend on the values, so the 16-bit
 route uses the same time), and prefill of ``T + 1`` tokens (logits of the last position only). **Modelled**:
 transfer at each link bandwidth (:mod:`kvbench.measure.ttft`, which also defines the crossover bandwidths) and the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,15 +63,15 @@ MEASURED = "encode, decode, first-token forward on the restored cache, prefill o
 WARM_TOKENS = 32  # the warm-up context: first calls allocate and pick kernels
 
 
-def timed(fn: Callable[[], Any], device: str, repeats: int) -> tuple[Any, float]:
-    """``fn()``'s result and its fastest time over ``repeats`` calls (other jobs only ever add time)."""
-    best, out = math.inf, None
+def timed(fn: Callable[[], Any], device: str, repeats: int) -> tuple[Any, list[float]]:
+    """``fn()``'s result and the seconds of each of ``repeats`` calls."""
+    out, times = None, []
     for _ in range(repeats):
         watch = Stopwatch(device)
         with watch():
             out = fn()
-        best = min(best, watch.seconds)
-    return out, best
+        times.append(watch.seconds)
+    return out, times
 
 
 def check_threads(n: Any) -> int | None:
@@ -171,15 +173,16 @@ def measure_context(model: Any, codec: Codec, window: torch.Tensor, T: int, dtyp
     """Store the session of ``window[:T]``, restore it and take the first token after ``window[T]``; measured."""
     kv = session_kv(model, window[:T], dtype)
     new = window[T : T + 1]  # (1,) the resumed session's next input
-    bs, encode_s = timed(lambda: codec.encoder.encode(kv, Context.for_kv(kv, model_ref, config)), device, repeats)
+    bs, encode_t = timed(lambda: codec.encoder.encode(kv, Context.for_kv(kv, model_ref, config)), device, repeats)
     stored = Bitstream.from_bytes(bs.data)  # the decoder sees bytes only; bits are counted from them
     dec_ctx = Context.for_kv(kv, model_ref, config)
-    kv_hat, decode_s = timed(lambda: codec.decoder.decode(stored, dec_ctx), device, repeats)
+    kv_hat, decode_t = timed(lambda: codec.decoder.decode(stored, dec_ctx), device, repeats)
     if kv_hat.shape != kv.shape or kv_hat.k.dtype != dtype:
         raise RuntimeError(f"{codec.encoder.name} decoded {tuple(kv_hat.shape)} {kv_hat.k.dtype}; expected "
                            f"{tuple(kv.shape)} {dtype}")
-    token, first_s = timed(lambda: first_token(model, kv_hat, new), device, repeats)
-    token_prefill, prefill_s = timed(lambda: prefill_token(model, window[: T + 1]), device, repeats)
+    token, first_t = timed(lambda: first_token(model, kv_hat, new), device, repeats)
+    token_prefill, prefill_t = timed(lambda: prefill_token(model, window[: T + 1]), device, repeats)
+    encode_s, decode_s, first_s, prefill_s = (statistics.median(t) for t in (encode_t, decode_t, first_t, prefill_t))
     token_16bit = first_token(model, kv, new)
     n_el = kv.n_elements
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -195,10 +198,11 @@ def measure_context(model: Any, codec: Codec, window: torch.Tensor, T: int, dtyp
         "bits_ids": T * id_bits(vocab),
         "id_bits": id_bits(vocab),
         "bits_per_element": stored.num_bits / n_el,
-        "encode_s": encode_s,
+        "encode_s": encode_s,  # each time the median of the repeats; every repeat's time under repeat_s
         "decode_s": decode_s,
         "first_token_s": first_s,
         "prefill_s": prefill_s,
+        "repeat_s": {"encode": encode_t, "decode": decode_t, "first_token": first_t, "prefill": prefill_t},
         "encode_elements_per_s": n_el / encode_s if encode_s > 0 else math.inf,
         "decode_elements_per_s": n_el / decode_s if decode_s > 0 else math.inf,
         "exact": bool(exact),
@@ -210,11 +214,14 @@ def measure_context(model: Any, codec: Codec, window: torch.Tensor, T: int, dtyp
     }
 
 
-def routes(m: dict[str, Any]) -> tuple[Route, Route, Route]:
-    """The three routes of one measured context (:mod:`kvbench.measure.ttft`)."""
-    return (Route("compressed", m["bits"], m["decode_s"] + m["first_token_s"]),
-            Route("16bit", m["bits_16bit"], m["first_token_s"]),
-            Route("prefill", m["bits_ids"], m["prefill_s"]))
+def routes(m: dict[str, Any], repeat: int | None = None) -> tuple[Route, Route, Route]:
+    """The three routes of one measured context (:mod:`kvbench.measure.ttft`): at the median times, or at the
+    times of one ``repeat`` (every route's measurement in the same round)."""
+    t = {k: m[f"{k}_s"] for k in ("decode", "first_token", "prefill")} if repeat is None else \
+        {k: m["repeat_s"][k][repeat] for k in ("decode", "first_token", "prefill")}
+    return (Route("compressed", m["bits"], t["decode"] + t["first_token"]),
+            Route("16bit", m["bits_16bit"], t["first_token"]),
+            Route("prefill", m["bits_ids"], t["prefill"]))
 
 
 ROW_FIELDS = ("bits", "bits_16bit", "bits_ids", "encode_s", "decode_s", "first_token_s", "prefill_s", "exact",
@@ -226,11 +233,18 @@ def context_rows(m: dict[str, Any], bandwidths: list[float]) -> tuple[list[dict]
     """Rows per bandwidth of one measured context, and its crossovers."""
     comp, sixteen, prefill = routes(m)
     cross = crossovers(comp, sixteen, prefill)
+    # the spread: each crossing computed from every round's times, lowest and highest
+    per_round = [crossovers(*routes(m, i)) for i in range(len(m.get("repeat_s", {}).get("decode", [])))]
+    for k in CROSSINGS:
+        got = [c[k] for c in per_round if c[k] is not None]
+        cross[f"{k}_spread"] = [min(got), max(got)] if got else None
     rows = []
     for r in ttft_rows(comp, sixteen, prefill, bandwidths):
         rows.append({"context": m["context"], **r, "bytes": m["bits"] / 8, "bytes_16bit": m["bits_16bit"] / 8,
                      "bytes_ids": m["bits_ids"] / 8, **{k: m[k] for k in ROW_FIELDS},
-                     **{k: math.nan if cross[k] is None else cross[k] for k in CROSSINGS}})
+                     **{k: math.nan if cross[k] is None else cross[k] for k in CROSSINGS},
+                     **{f"{k}_{end}": math.nan if cross.get(f"{k}_spread") is None else cross[f"{k}_spread"][i]
+                        for k in CROSSINGS for i, end in enumerate(("lo", "hi"))}})
     return rows, cross
 
 
@@ -310,7 +324,7 @@ def format_restore(s: dict) -> str:
     load = s.get("loadavg_1m", [math.nan, math.nan])
     lines = [f"  restore {s['compressor']} on {s['model']} ({s['device']}, model {s['model_dtype']}, "
              f"cache {s['dtype']}, {s['torch_threads']} threads, load {load[0]:.1f} -> {load[1]:.1f}, "
-             f"fastest of {s['repeats']})"]
+             f"median of {s['repeats']})"]
     lines += [f"  note: {n}" for n in s.get("notes", [])]
     lines.append(f"  MEASURED here: {s['measured_here']}")
     lines.append(f"  {'ctx':>6} {'MB coded':>9} {'MB 16-bit':>9} {'KB ids':>8} {'encode s':>9} {'decode s':>9} "

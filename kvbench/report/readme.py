@@ -43,8 +43,8 @@ SHARING_COLUMNS = pick("model", "compressor", "sharing.share_rate", "sharing.ded
 MEMORY_COLUMNS = pick("model", "context", "cache", "bytes_ratio", "speed_ratio", "ms_compressed", "ms_dynamic",
                       "tokens_match_dynamic")
 RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bytes_ratio", "encode_s", "decode_s",
-                       "first_token_s", "prefill_s", "crossover_16bit_gbps", "crossover_prefill_gbps",
-                       "first_token_matches_prefill", formats={"crossover_16bit_gbps": ".2f",
+                       "first_token_s", "prefill_s", "crossover_16bit_gbps", "crossover_16bit_spread",
+                       "crossover_prefill_gbps", "crossover_prefill_spread", "first_token_matches_prefill", formats={"crossover_16bit_gbps": ".2f",
                                                                "crossover_prefill_gbps": ".4f"})
 DISTANCE_COLUMNS = pick("model", "which", "compressor", "windows_text", "bits_per_token", "bound_bits_per_token",
                         "x_bound_text", "delta_nll_ci_text", "nll_verdict", formats={"bits_per_token": ",.1f"})
@@ -208,6 +208,9 @@ def restore_table(rs: pd.DataFrame) -> pd.DataFrame:
     d = rs.drop_duplicates(["run_id", "context"]).copy()
     d["bytes_ratio"] = numeric(d, "bytes_16bit") / numeric(d, "bytes")
     d["params"] = short_label(d).str.replace(r"^\S+\s*", "", regex=True)
+    for key, fmt in (("crossover_16bit", ".2f"), ("crossover_prefill", ".4f")):
+        lo, hi = numeric(d, f"{key}_gbps_lo"), numeric(d, f"{key}_gbps_hi")
+        d[f"{key}_spread"] = [f"{a:{fmt}}–{b:{fmt}}" if a == a and b == b else "-" for a, b in zip(lo, hi)]
     return d.sort_values(["model", "compressor", "context"])
 
 
@@ -286,7 +289,8 @@ def compose(got: Collection, prov: Provenance, kept: dict[str, str], figs: Figur
         *_figures(figs, out, "eviction", models, "Eviction beside the quantizers"),
         findings("eviction"),
         "## 4. When does a stored compressed cache beat re-running prefill, and what does it cost per token?\n",
-        "Restoring a stored session: encode, decode, the first token's forward and the prefill are measured; the "
+        "Restoring a stored session: encode, decode, the first token's forward and the prefill are measured (each the "
+        "median of the run's rounds; beside each crossover its lowest and highest over the rounds); the "
         "transfer is modelled as bits over link bandwidth. The compressed cache is the fastest way to the first token "
         "between the two crossovers (below `crossover_prefill` re-running prefill from the token ids wins, above "
         "`crossover_16bit` sending 16-bit KV does):\n",

@@ -148,6 +148,8 @@ CATALOGUE = {c.key: c for c in (
     _col("first_token_s", "first token s", ".4f"),
     _col("crossover_16bit_gbps", "16-bit crossover Gbit/s", ".3g"),
     _col("crossover_prefill_gbps", "prefill crossover Gbit/s", ".3g"),
+    _col("crossover_16bit_spread", "16-bit crossover, rounds' range"),
+    _col("crossover_prefill_spread", "prefill crossover, rounds' range"),
     _col("encode_s", "encode s", ".4f"),
     _col("first_token_matches_prefill", "first token = prefill's"),
     # distance to the bound (results/README.md)

@@ -39,7 +39,7 @@ test-integration: assets $(TEST_STAMP)
 bench: assets
 	$(PY) scripts/bench_compressors.py
 
-# results/README.md and its report from scratch, both packaged models (68 minutes here; scripts/reproduce.sh)
+# results/README.md and its report from scratch, both packaged models (about 36 minutes here; scripts/reproduce.sh)
 reproduce: assets $(TEST_STAMP)
 	PY=$(PY) scripts/reproduce.sh
 

@@ -3,9 +3,9 @@
 # gemma-3-270m: the frontier (every coder family, paired 95% intervals), eviction beside it, RULER accuracy with
 # intervals, the resident cache's decode speed against DynamicCache and transformers' QuantizedCache, restore
 # time-to-first-token crossovers, cross-session prefix sharing and the entropy bound. The wall time goes into the
-# README's header and results/reproduce.log: 68 minutes on this 2-core machine with nothing else running, with RULER
-# in one lane of its own (the measured lane was done after 47 minutes; it now takes RULER cells too, which should
-# bring the run near 60 minutes: not yet timed). To fit a tighter budget: MODELS=smollm2_135m (about half).
+# README's header and results/reproduce.log: 36 minutes on this 2-core machine with nothing else running (the measured
+# lane takes a model's RULER cells once its own are done; each model's RULER cells run in one process that answers the
+# 16-bit baselines once). To fit a tighter budget: MODELS=smollm2_135m (about half).
 #
 #   scripts/reproduce.sh                      # everything above, both models
 #   make reproduce                            # the same, after installing what it needs (the hqq extra)
@@ -132,7 +132,7 @@ lane_measured() {
         step "latency: KIVI 2-bit resident, DynamicCache$with ($m)" kvb latency model="$m" \
             +compressor=kivi compressor.bits=2 "${baseline[@]}" "${LATENCY[@]}"
         # exact dedup at block 16 against the share rate: prefix_sharing_sweep's cells, at $SESSIONS sessions
-        step "prefix sharing ($m)" sweep +experiment=prefix_sharing_sweep model="$m" workload.n_sessions=$SESSIONS \
+        step "prefix sharing ($m)" sweep +experiment=prefix_sharing_sweep model="$m" workload.n_sessions=$SESSIONS +compressor=trie \
             "compressor={block_size:16}" workload.target_share_rate=$SHARE
         for c in "kivi compressor.bits=2" "turboquant compressor.bits=3"; do
             read -r -a comp <<< "$c"

@@ -151,7 +151,9 @@ def build(name: str) -> Case:
     config, overrides = VARIANTS.get(name, (name, ()))
     comp = instantiate(config, overrides)
     kvs, ctxs, config = _sequences(comp)
-    if not comp.needs_model:
+    if comp.needs_model:  # fitted on another window of the same model's cache
+        comp.fit([model_kv(160, seed=9)], config=config)
+    else:
         _fit(comp, config)
     case = Case(name, comp, decoder_for(comp, state_bytes(comp)), kvs, ctxs, Bitstream(b"", 0))
     case.stream = case.encode()

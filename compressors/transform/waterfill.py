@@ -1,0 +1,401 @@
+"""Waterfill: one bit budget allocated jointly over tokens and transform coefficients by reverse water-filling.
+
+Transform coding (KVTC, Staniszewski & Łańcucki, arXiv 2511.01815) allocates bits over PCA coefficients but gives
+every token the same allocation; eviction (SnapKV, Li et al., arXiv 2404.14469) spends either 16 bits or nothing on
+a token. Rate-distortion allocation over both axes at once (RDKV, arXiv 2605.08317, allocates over eviction and
+quantization by reverse water-filling) puts them on one scale, where dropping a token is the 0-bit end:
+
+1. **Transform**: KVTC's calibration (:mod:`compressors.transform.kvtc_calibration`): per layer, a PCA basis of the
+   pre-RoPE keys and one of the values over all KV heads, entropy-calibrated quantizer steps ``σ·Δ_w`` for widths
+   ``w = 0..8`` and, per component, the calibration's mean squared error at each width, relative to its kind's
+   energy (the keys' weighted by ``key_weight``, as in KVTC).
+2. **Importance**, per (layer, token), at compression time: the attention the context's last ``obs_window`` queries
+   pay each key (recomputed with the model, as SnapKV does; averaged over the query heads, max-pooled over ``kernel``
+   neighbours), divided by its mean over the layer's coded tokens; ``uniform`` gives every token the same weight.
+   The observation window's own tokens, which only its later queries see, take the layer's highest importance.
+3. **Tiers**: each layer's coded tokens are ranked by importance and split into ``tiers`` classes of halving size
+   (the bottom half, the next quarter, ..., the top two alike); a tier's weight is the mean of its tokens'
+   ``importance ** power``.
+4. **Allocation**: every (layer, tier, component) takes the width ``w`` that minimises
+   ``weight · D(w) + λ · w``, one multiplier ``λ`` for the whole sequence, found by bisection so that the coded
+   widths sum to the budget: ``bits`` per element over the sequence, less what the exact sinks cost. That is reverse
+   water-filling over a discrete set of widths: a component whose weighted distortion lies below the water level
+   gets no bits. A tier that gets no bits in any K or V component of a layer is dropped from that layer: its
+   entries are hidden from attention (``kept``), as an eviction method's are.
+5. **Coding**: the tier of every (layer, token) is range-coded under the tiers' fixed shares; the tiers' weights
+   (float16) and ``λ`` (float32) are sent, and the decoder recomputes the same widths from them and the codec state
+   (which holds the distortion table). Coefficients are quantized and range-coded per width under calibration
+   histograms, as in KVTC. The first ``sinks`` positions are stored exact (16-bit).
+
+The encoder runs the model once per sequence to recompute queries (``needs_model``); the decoder runs none.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from compressors.eviction.query_attention import attention_sums, capture_queries
+from compressors.transform.kvtc_calibration import FREQ_BITS, MAX_WIDTH, analyse, columns, half_range, uncolumns
+from compressors.transform.waterfill_allocation import assign_tiers, tier_probs, water_level, widths_at
+from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
+from kvbench.coding.entropy import StreamDecoder, StreamEncoder
+from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+from kvbench.core.checks import check_choice, check_range
+from kvbench.core.compressor import Compressor, Kept, Section
+from kvbench.core.kv import Context, KVSequence
+from kvbench.core.rope import Rotary
+
+KINDS = ("k", "v")
+IMPORTANCE = ("attention", "uniform")
+
+
+@dataclass
+class _State:
+    """What both sides hold, parsed from the state bytes: per kind the mean, basis, scales and distortion table."""
+
+    mean: dict[str, torch.Tensor]  # kind -> (U, d) float32
+    basis: dict[str, torch.Tensor]  # kind -> (U, d, r) float32
+    sigma: dict[str, np.ndarray]  # kind -> (U, r) float64, 0 for dead components
+    dist: np.ndarray  # (U, C, W + 1) float64 weighted relative distortion, K's components then V's
+    steps: dict[str, np.ndarray]  # kind -> (W,) normalized steps Δ_w
+    probs: dict[str, dict[int, np.ndarray]]  # kind -> width -> normalized histogram of the offset symbols
+
+    def split(self, widths: np.ndarray) -> dict[str, np.ndarray]:
+        """``(..., C)`` -> per kind ``(..., r_kind)``."""
+        r_k = self.sigma["k"].shape[1]
+        return {"k": widths[..., :r_k], "v": widths[..., r_k:]}
+
+
+@dataclass
+class Waterfill(Compressor):
+    """Joint token × coefficient bit allocation by reverse water-filling over KVTC's calibrated PCA (see the
+    module docstring): ``bits`` per element in all, spent where attention-weighted distortion falls most."""
+
+    bits: float = 1.0
+    tiers: int = 4
+    importance: str = "attention"
+    obs_window: int = 64
+    kernel: int = 5
+    power: float = 1.0
+    sinks: int = 4
+    key_weight: float = 0.25
+
+    name: ClassVar[str] = "waterfill"
+    family: ClassVar[str] = "transform"
+    needs_config: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True  # the encoder recomputes queries; the decoder runs no model
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
+            raise ValueError(f"waterfill.bits={self.bits!r} must be a number of bits per element in (0, {MAX_WIDTH}]")
+        check_range("waterfill", "bits", self.bits, 1e-3, MAX_WIDTH)
+        check_range("waterfill", "tiers", self.tiers, 1, 16, integer=True)
+        check_choice("waterfill", "importance", self.importance, IMPORTANCE)
+        check_range("waterfill", "obs_window", self.obs_window, 1, 1 << 20, integer=True)
+        check_range("waterfill", "kernel", self.kernel, 1, 1 << 10, integer=True)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"waterfill.kernel={self.kernel} must be odd, so that pooling is centred on each token")
+        for field in ("power", "key_weight"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"waterfill.{field}={value!r} must be a positive number")
+            check_range("waterfill", field, value, 1e-6, 1e6)
+        check_range("waterfill", "sinks", self.sinks, 0, 1 << 24, integer=True)
+        self.bits, self.power, self.key_weight = float(self.bits), float(self.power), float(self.key_weight)
+        self.tiers, self.obs_window, self.kernel, self.sinks = (int(self.tiers), int(self.obs_window),
+                                                                int(self.kernel), int(self.sinks))
+        self._state_sections: dict[str, Section] = {}
+        self._st: _State | None = None
+        self._rotary: tuple[Any, Rotary] | None = None
+        self._stats: dict[str, float] = {}
+
+    def exact_tokens(self, n_tokens: int) -> Kept:
+        return Kept(self.sinks, 0)
+
+    def always_kept(self, n_tokens: int) -> Kept:
+        return Kept(self.sinks, 0)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def _add(self, key: str, value: float) -> None:
+        self._stats[key] = self._stats.get(key, 0.0) + value
+
+    def _rotary_for(self, config: Any) -> Rotary:
+        if self._rotary is None or self._rotary[0] is not config:
+            self._rotary = (config, Rotary(config))
+        return self._rotary[1]
+
+    # ---- fitting ------------------------------------------------------------------------------------------------
+
+    def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
+        """KVTC's per-layer analysis of the calibration windows (each starting at position 0), every component and
+        width kept: a token of the top tier may use any of them."""
+        calib = list(calib)
+        if not calib:
+            raise ValueError("waterfill.fit needs at least one calibration sequence")
+        shapes = {kv.shape[:2] + kv.shape[3:] for kv in calib}
+        if len(shapes) != 1:
+            raise ValueError(f"waterfill.fit: calibration sequences differ in (layers, heads, head_dim): {sorted(shapes)}")
+        sections: dict[str, Section] = {}
+        dists = []
+        for kind in KINDS:
+            cols = [columns(self._calib_kind(kv, kind, config)[:, :, min(self.sinks, kv.n_tokens):], "layer")
+                    for kv in calib]  # each (L, d, T_i)
+            x = torch.cat(cols, dim=2).double()  # (L, d, N)
+            if x.shape[2] < 2:
+                raise ValueError(f"waterfill.fit: {x.shape[2]} calibration tokens after the sinks; need >= 2")
+            f = analyse(x, "layer", None)
+            weight = (self.key_weight if kind == "k" else 1.0) / f.energy
+            dists.append(f.dist * weight)  # (L, r, W + 1)
+            sections.update(_kind_sections(kind, f))
+        # the table the allocation reads, as both sides will hold it (float16, relative to the largest entry)
+        dist = np.concatenate(dists, axis=1)  # (L, C, W + 1)
+        scale = float(dist.max()) or 1.0
+        sections["dist"] = tensor_to_bytes(torch.from_numpy(dist / scale).to(torch.float16))
+        self.load_state(sections)
+
+    def _calib_kind(self, kv: KVSequence, kind: str, config: Any) -> torch.Tensor:
+        if kind == "v":
+            return kv.v.float()
+        if config is not None:
+            return self._rotary_for(config).undo(kv.k, 0)
+        if kv.k_pre_rope is not None:
+            return kv.k_pre_rope.float()
+        raise ValueError("waterfill.fit needs the model config to undo RoPE on the calibration keys: call "
+                         "fit(calib, config=model_config) or capture the calibration windows with capture.pre_rope=true")
+
+    # ---- state --------------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Section]:
+        return dict(self._state_sections)
+
+    def load_state(self, sections: Mapping[str, Section]) -> None:
+        if not sections:
+            return
+        raw = {k: bytes(v) if isinstance(v, (bytes, bytearray)) else bytes(v[0]) for k, v in sections.items()}
+        try:
+            self._st = _parse_state(raw)
+        except ValueError as e:
+            if isinstance(e, BitstreamError):
+                raise
+            raise BitstreamError(f"waterfill state is malformed: {e}") from e
+        self._state_sections = {k: sections[k] for k in sections}
+
+    # ---- allocation -----------------------------------------------------------------------------------------------
+
+    def _check(self, ctx: Context) -> _State:
+        if self._st is None:
+            raise ValueError("waterfill has no fitted state: call fit(calib) on the encoder, or load_state() its "
+                             "state bytes (kvbench.core.codec.decoder_for) on a decoder")
+        if ctx.config is None:
+            raise ValueError("waterfill undoes RoPE on keys and needs the model config in the context (ctx.config)")
+        L, H, _, D = ctx.shape
+        U, d = self._st.mean["k"].shape
+        if U != L or d != H * D:
+            raise ValueError(f"waterfill was fitted on {U} layers of {d} elements per token; this cache is "
+                             f"(layers, heads, head_dim) = ({L}, {H}, {D})")
+        return self._st
+
+    def _n_sink(self, ctx: Context) -> int:
+        return min(ctx.n_tokens, max(0, self.sinks - ctx.start))
+
+    def _budget(self, ctx: Context, n_sink: int) -> float:
+        """Coefficient bits for the coded tokens: ``bits`` per element of the whole sequence, less the sinks."""
+        L, H, T, D = ctx.shape
+        return max(0.0, self.bits * 2 * L * H * T * D - 16 * 2 * L * H * n_sink * D)
+
+    def _importance(self, kv: KVSequence, ctx: Context, n_sink: int) -> torch.Tensor:
+        """``(L, n)`` importance of the coded tokens (mean 1 per layer)."""
+        L, H, T, _ = kv.shape
+        n = T - n_sink
+        if self.importance == "uniform":
+            return torch.ones(L, n, dtype=torch.float64)
+        w = min(self.obs_window, T - 1)
+        qs = capture_queries(self.name, kv, ctx, T - w)
+        attn = attention_sums(qs, kv.k).mean(dim=1)  # (L, T) mean over the query heads
+        pooled = torch.nn.functional.max_pool1d(attn[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
+        pooled[:, T - w :] = pooled.max(dim=1, keepdim=True).values  # the window's own keys: seen by few queries
+        a = pooled[:, n_sink:].double()  # (L, n)
+        return a / a.mean(dim=1, keepdim=True).clamp_min(1e-30)
+
+    def _allocation(self, st: _State, weights: np.ndarray, lam: float) -> np.ndarray:
+        return widths_at(st.dist, weights.astype(np.float64), float(lam))  # (U, G, C)
+
+    # ---- coding -------------------------------------------------------------------------------------------------
+
+    def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
+        st = self._check(ctx)
+        L, H, T, D = kv.shape
+        n_sink = self._n_sink(ctx)
+        n = T - n_sink
+        sections: dict[str, Section] = {
+            "exact": tensor_to_bytes(kv.k[:, :, :n_sink]) + tensor_to_bytes(kv.v[:, :, :n_sink])}
+        if n == 0:
+            return Bitstream.pack(self.name, sections)
+        a = self._importance(kv, ctx, n_sink)  # (L, n)
+        tier = assign_tiers(a, self.tiers)  # (L, n)
+        powered = a.numpy() ** self.power
+        counts = np.stack([(tier == g).sum(axis=1) for g in range(self.tiers)], axis=1)  # (L, G)
+        sums = np.stack([np.where(tier == g, powered, 0.0).sum(axis=1) for g in range(self.tiers)], axis=1)
+        weights = (sums / np.maximum(counts, 1)).astype(np.float16)  # (L, G) as sent
+        lam = water_level(st.dist, weights.astype(np.float64), counts, self._budget(ctx, n_sink))
+        widths = self._allocation(st, weights, lam)  # (L, G, C)
+        sections["alloc"] = weights.tobytes() + lam.astype("<f4").tobytes()
+        enc = StreamEncoder()
+        enc.categorical(tier.reshape(-1), tier_probs(n, self.tiers))
+        sections["tiers"] = enc.finish()
+        dropped = (widths.sum(axis=2) == 0)  # (L, G): a tier with no coded component in a layer is evicted there
+        self._add("dropped_fraction", float(np.take_along_axis(dropped, tier, axis=1).mean()))
+        self._add("sequences", 1.0)
+        per_kind = st.split(widths)
+        for kind, x in (("k", kv.k), ("v", kv.v)):
+            w_kind = per_kind[kind]  # (L, G, r)
+            r = w_kind.shape[2]
+            per_entry = np.take_along_axis(w_kind.transpose(0, 2, 1), tier[:, None, :].repeat(r, 1), axis=2)  # (L, r, n)
+            xf = self._rotary_for(ctx.config).undo(x[:, :, n_sink:], ctx.start + n_sink) if kind == "k" else \
+                x[:, :, n_sink:].float()
+            coef = (st.basis[kind].transpose(1, 2) @ (columns(xf, "layer") - st.mean[kind][:, :, None])).numpy()
+            sections[f"{kind}.codes"] = _code(coef, per_entry, st, kind)  # coef: (L, r, n)
+        return Bitstream.pack(self.name, sections)
+
+    def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
+        sec = bs.sections(expect=self.name)
+        st = self._check(ctx)
+        L, H, T, D = ctx.shape
+        n_sink = self._n_sink(ctx)
+        n = T - n_sink
+        raw = sec.get("exact")
+        if raw is None or len(raw) != 2 * 2 * L * H * n_sink * D:
+            raise BitstreamError(f"waterfill bitstream: the exact section must hold {n_sink} sink tokens of K and V")
+        k = torch.zeros(L, H, T, D, dtype=ctx.dtype)  # (L, H, T, D)
+        v = torch.zeros(L, H, T, D, dtype=ctx.dtype)
+        half = len(raw) // 2
+        k[:, :, :n_sink] = tensor_from_bytes(raw[:half], ctx.dtype, (L, H, n_sink, D))
+        v[:, :, :n_sink] = tensor_from_bytes(raw[half:], ctx.dtype, (L, H, n_sink, D))
+        if n == 0:
+            return KVSequence(k, v)
+        for name in ("alloc", "tiers", "k.codes", "v.codes"):
+            if name not in sec:
+                raise BitstreamError(f"waterfill bitstream has no section {name!r}")
+        alloc = sec["alloc"]
+        if len(alloc) != 2 * L * self.tiers + 4:
+            raise BitstreamError(f"waterfill bitstream: alloc holds {len(alloc)} bytes, not {L} x {self.tiers} "
+                                 "float16 tier weights and a float32 water level")
+        weights = np.frombuffer(alloc[:-4], dtype=np.float16).reshape(L, self.tiers)
+        lam = np.frombuffer(alloc[-4:], dtype="<f4")[0]
+        if not (np.isfinite(weights).all() and (weights >= 0).all() and np.isfinite(lam) and lam > 0):
+            raise BitstreamError("waterfill bitstream: tier weights or water level out of range")
+        widths = self._allocation(st, weights, lam)  # (L, G, C)
+        dec = StreamDecoder(sec["tiers"])
+        tier = dec.categorical(L * n, tier_probs(n, self.tiers)).astype(np.int64).reshape(L, n)
+        dec.finish("waterfill tiers")
+        per_kind = st.split(widths)
+        out = {}
+        for kind in KINDS:
+            w_kind = per_kind[kind]
+            r = w_kind.shape[2]
+            per_entry = np.take_along_axis(w_kind.transpose(0, 2, 1), tier[:, None, :].repeat(r, 1), axis=2)
+            coef = _decode_coef(sec[f"{kind}.codes"], per_entry, st, kind)
+            cols = st.mean[kind][:, :, None] + st.basis[kind] @ torch.from_numpy(coef)  # (L, d, n)
+            x = uncolumns(cols, (L, H, n, D))  # (L, H, n, D) float32
+            if kind == "k":
+                x = self._rotary_for(ctx.config).apply(x, ctx.start + n_sink)
+            out[kind] = x
+        kept_tok = ~np.take_along_axis(widths.sum(axis=2) == 0, tier, axis=1)  # (L, n)
+        kept = torch.ones(L, H, T, dtype=torch.bool)
+        kept[:, :, n_sink:] = torch.from_numpy(kept_tok)[:, None, :]
+        keep = kept[:, :, n_sink:, None]  # (L, H, n, 1): dropped entries are zero, as an eviction decoder's
+        k[:, :, n_sink:] = torch.where(keep, out["k"], 0).to(ctx.dtype)
+        v[:, :, n_sink:] = torch.where(keep, out["v"], 0).to(ctx.dtype)
+        return KVSequence(k, v, kept=None if bool(kept.all()) else kept)
+
+
+def _code(coef: np.ndarray, per_entry: np.ndarray, st: _State, kind: str) -> Section:
+    """Quantize ``coef`` ``(U, r, n)`` at each entry's width and range-code the symbols, one batch per width."""
+    sigma, steps, probs = st.sigma[kind], st.steps[kind], st.probs[kind]
+    enc = StreamEncoder()
+    for w in range(1, MAX_WIDTH + 1):
+        sel = per_entry == w  # (U, r, n)
+        if not sel.any():
+            continue
+        step = (sigma[:, :, None] * steps[w - 1]).astype(np.float32)  # (U, r, 1)
+        half = half_range(steps[w - 1])
+        q = np.clip(np.rint(coef / np.where(step > 0, step, 1.0)), -half, half)  # (U, r, n)
+        enc.categorical((q[sel] + half).astype(np.int32), probs[w])
+    return enc.finish()
+
+
+def _decode_coef(raw: bytes, per_entry: np.ndarray, st: _State, kind: str) -> np.ndarray:
+    """The dequantized coefficients ``(U, r, n)`` float32 (bin centres; 0 where the width is 0)."""
+    sigma, steps, probs = st.sigma[kind], st.steps[kind], st.probs[kind]
+    coef = np.zeros(per_entry.shape, dtype=np.float32)
+    dec = StreamDecoder(raw)
+    for w in range(1, MAX_WIDTH + 1):
+        sel = per_entry == w
+        count = int(sel.sum())
+        if not count:
+            continue
+        half = half_range(steps[w - 1])
+        step = np.broadcast_to((sigma[:, :, None] * steps[w - 1]).astype(np.float32), per_entry.shape)
+        coef[sel] = (dec.categorical(count, probs[w]).astype(np.float32) - half) * step[sel]
+    dec.finish(f"waterfill {kind}.codes")
+    return coef
+
+
+# ---- state sections ---------------------------------------------------------------------------------------------
+
+
+def _kind_sections(kind: str, f: Any) -> dict[str, Section]:
+    """One kind's state: dims, mean, the full basis, the scales, the steps and a histogram per width over every live
+    component's calibration symbols."""
+    U, d = f.mean.shape
+    r = f.basis.shape[2]
+    live = f.sigma > 0
+    freqs = []
+    for w in range(1, MAX_WIDTH + 1):
+        half = half_range(f.steps[w - 1])
+        q = np.clip(np.rint(f.coef[live] / (f.sigma[live][:, None] * f.steps[w - 1])), -half, half).astype(np.int64)
+        counts = np.bincount((q + half).reshape(-1), minlength=2 * half + 1)
+        spare = (1 << FREQ_BITS) - (2 * half + 1)  # every symbol keeps frequency >= 1: codable if unseen
+        freqs.append(np.floor(counts / counts.sum() * spare).astype(np.int64) + 1)
+    return {
+        f"{kind}.dims": varints([U, d, r]),
+        f"{kind}.mean": tensor_to_bytes(f.mean),
+        f"{kind}.basis": tensor_to_bytes(f.basis.contiguous()),
+        f"{kind}.sigma": tensor_to_bytes(torch.from_numpy(f.sigma).to(torch.float16)),
+        f"{kind}.steps": tensor_to_bytes(torch.from_numpy(f.steps).float()),
+        f"{kind}.freqs": pack_codes(torch.from_numpy(np.concatenate(freqs)), FREQ_BITS),
+    }
+
+
+def _parse_state(raw: Mapping[str, bytes]) -> _State:
+    def sec(name: str) -> bytes:
+        if name not in raw:
+            raise BitstreamError(f"waterfill state has no section {name!r} (written by another version?)")
+        return bytes(raw[name])
+
+    mean, basis, sigma, steps, probs = {}, {}, {}, {}, {}
+    for kind in KINDS:
+        (U, d, r), _ = read_varints(sec(f"{kind}.dims"), 3)
+        mean[kind] = tensor_from_bytes(sec(f"{kind}.mean"), torch.float16, (U, d)).float()
+        basis[kind] = tensor_from_bytes(sec(f"{kind}.basis"), torch.float16, (U, d, r)).float()
+        sigma[kind] = tensor_from_bytes(sec(f"{kind}.sigma"), torch.float16, (U, r)).double().numpy()
+        steps[kind] = tensor_from_bytes(sec(f"{kind}.steps"), torch.float32, (MAX_WIDTH,)).double().numpy()
+        sizes = [2 * half_range(s) + 1 for s in steps[kind]]
+        flat = unpack_codes(sec(f"{kind}.freqs"), FREQ_BITS, sum(sizes)).numpy().astype(np.float64)
+        if (flat == 0).any():
+            raise BitstreamError(f"waterfill state: a {kind} histogram has a zero frequency")
+        probs[kind] = {w + 1: p / p.sum() for w, p in enumerate(np.split(flat, np.cumsum(sizes)[:-1]))}
+    r_k, r_v = sigma["k"].shape[1], sigma["v"].shape[1]
+    if mean["k"].shape != mean["v"].shape:
+        raise BitstreamError("waterfill state: K and V were fitted on different shapes")
+    U = mean["k"].shape[0]
+    dist = tensor_from_bytes(sec("dist"), torch.float16, (U, r_k + r_v, MAX_WIDTH + 1)).double().numpy()
+    if not np.isfinite(dist).all():
+        raise BitstreamError("waterfill state: the distortion table is not finite")
+    return _State(mean, basis, sigma, dist, steps, probs)

@@ -218,3 +218,14 @@ def test_the_command_exits_1_on_a_failed_check_and_0_otherwise(published, tmp_pa
     assert sorted(p.name for p in (root / "evidence" / "per_vector").iterdir() if p.is_dir()) == \
         sorted(r.name for r in runs)
     assert main(["--check"]) == 1  # the page's references now select runs the evidence no longer holds
+
+
+def test_a_page_can_show_a_section_of_several_tables(published, tmp_path):
+    """The overview writes one table group per stem (runs, best points, ...): a page's overview block holds them all."""
+    root = _copy(published, tmp_path)
+    (root / "all_runs.md").write_text("# All runs\n\n<!-- generated:overview (every run) -->\n<!-- /generated -->\n")
+    register("all_runs.md", root, study="per_vector")
+    built = [b for b in write_pages(root, formats=("png",)) if b.page.name == "all_runs.md"]
+    assert built and not built[0].errors
+    text = (root / "all_runs.md").read_text()
+    assert text.count("| model |") >= 2 and "| turboquant |" in text

@@ -207,10 +207,12 @@ def _page(source: str, evidence, out: Path, report_out: Path, formats: Sequence[
         e = evidence(study or key)
         res = write_report([], report_out, tuple(formats), sections=[key], overrides=e.overrides, got=e.got)
         built.report_files += res["written"]
-        if key not in res["markdown"]:
+        if not res["markdown"]:
             built.errors.append(f"generated block {key}: the evidence of study {e.study} has no run of its cells")
             continue
-        text = replace_block(text, key, res["markdown"][key], BLOCK_WHY.format(key=key, study=e.study))
+        # a section writes one table group per stem (the overview: runs, best points, evals, ...), in order
+        body = res["markdown"].get(key) or "\n".join(res["markdown"].values())
+        text = replace_block(text, key, body, BLOCK_WHY.format(key=key, study=e.study))
     studies = "; ".join(_provenance(e, out) for e in built.studies.values())
     header = (f"Rebuilt from committed evidence by `python -m kvbench report --pages` (`--check` rebuilds it and "
               f"compares): {studies}.")

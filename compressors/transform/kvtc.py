@@ -69,8 +69,10 @@ from compressors.transform.kvtc_calibration import (
     SCOPES,
     allocate,
     analyse,
+    calibration_keys,
     columns,
     half_range,
+    raw_sections,
     state_sections,
     uncolumns,
 )
@@ -201,13 +203,7 @@ class Kvtc(Compressor):
             return kv.v.float()
         if not self.undo_rope:
             return kv.k.float()
-        if config is not None:
-            return self._rotary_for(config).undo(kv.k, 0)
-        if kv.k_pre_rope is not None:
-            return kv.k_pre_rope.float()
-        raise ValueError("kvtc.fit needs the model config to undo RoPE on the calibration keys: call "
-                         "fit(calib, config=model_config), capture the calibration windows with capture.pre_rope=true, "
-                         "or set compressor.undo_rope=false")
+        return calibration_keys("kvtc", kv, config, self._rotary_for, ", or set compressor.undo_rope=false")
 
 
     # ---- state --------------------------------------------------------------------------------------------------
@@ -218,7 +214,7 @@ class Kvtc(Compressor):
     def load_state(self, sections: Mapping[str, Section]) -> None:
         if not sections:
             return
-        raw = {k: bytes(v) if isinstance(v, (bytes, bytearray)) else bytes(v[0]) for k, v in sections.items()}
+        raw = raw_sections(sections)
         codecs = {kind: self._parse_kind(kind, raw) for kind in KINDS}
         state: dict[str, Section] = dict(raw)
         for kind, c in codecs.items():  # the packed sections' exact sizes, as the encoder declared them

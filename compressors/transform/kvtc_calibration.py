@@ -5,7 +5,9 @@ allocation by dynamic programming, and the codec state sections they make. The c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,6 +137,26 @@ def calibrated_steps(z: np.ndarray, max_width: int = MAX_WIDTH) -> np.ndarray:
 def half_range(step: float) -> int:
     """Largest symbol magnitude at a normalized step (coefficients are clipped at ``Z_CLIP`` standard deviations)."""
     return max(1, math.ceil(Z_CLIP / step))
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------------
+
+
+def calibration_keys(owner: str, kv: Any, config: Any, undo: Callable[[Any], Any], otherwise: str = "") -> torch.Tensor:
+    """A calibration window's keys with RoPE undone (it starts at position 0): by ``undo(config)`` (a
+    :class:`kvbench.core.rope.Rotary`) when the model config is given, else as captured before RoPE."""
+    if config is not None:
+        return undo(config).undo(kv.k, 0)
+    if kv.k_pre_rope is not None:
+        return kv.k_pre_rope.float()
+    raise ValueError(f"{owner}.fit needs the model config to undo RoPE on the calibration keys: call "
+                     f"fit(calib, config=model_config) or capture the calibration windows with capture.pre_rope=true"
+                     f"{otherwise}")
+
+
+def raw_sections(sections: Mapping[str, Section]) -> dict[str, bytes]:
+    """State sections as plain bytes (a ``(bytes, exact_bits)`` section's bytes)."""
+    return {k: bytes(v) if isinstance(v, (bytes, bytearray)) else bytes(v[0]) for k, v in sections.items()}
 
 
 # ---- layout -----------------------------------------------------------------------------------------------------

@@ -39,7 +39,16 @@ import numpy as np
 import torch
 
 from compressors.eviction.query_attention import attention_sums, capture_queries
-from compressors.transform.kvtc_calibration import FREQ_BITS, MAX_WIDTH, analyse, columns, half_range, uncolumns
+from compressors.transform.kvtc_calibration import (
+    FREQ_BITS,
+    MAX_WIDTH,
+    analyse,
+    calibration_keys,
+    columns,
+    half_range,
+    raw_sections,
+    uncolumns,
+)
 from compressors.transform.waterfill_allocation import assign_tiers, tier_probs, water_level, widths_at
 from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
@@ -162,12 +171,7 @@ class Waterfill(Compressor):
     def _calib_kind(self, kv: KVSequence, kind: str, config: Any) -> torch.Tensor:
         if kind == "v":
             return kv.v.float()
-        if config is not None:
-            return self._rotary_for(config).undo(kv.k, 0)
-        if kv.k_pre_rope is not None:
-            return kv.k_pre_rope.float()
-        raise ValueError("waterfill.fit needs the model config to undo RoPE on the calibration keys: call "
-                         "fit(calib, config=model_config) or capture the calibration windows with capture.pre_rope=true")
+        return calibration_keys("waterfill", kv, config, self._rotary_for)
 
     # ---- state --------------------------------------------------------------------------------------------------
 
@@ -177,7 +181,7 @@ class Waterfill(Compressor):
     def load_state(self, sections: Mapping[str, Section]) -> None:
         if not sections:
             return
-        raw = {k: bytes(v) if isinstance(v, (bytes, bytearray)) else bytes(v[0]) for k, v in sections.items()}
+        raw = raw_sections(sections)
         try:
             self._st = _parse_state(raw)
         except ValueError as e:

@@ -38,6 +38,7 @@ CATALOGUE = {c.key: c for c in (
     _col("sharing.share_rate", "share rate", ".2f"),
     _col("context_len", "context", "d"),
     _col("bits_per_element", "bits/elt", ".3f"),
+    _col("bits_per_element_amortized", "bits/elt amortized", ".3f"),
     _col("bits_per_token", "bits/token", ",.1f"),
     _col("bound_bits_per_token", "bound bits/token", ".2f"),
     _col("x_bound", "x bound", "x", r"$\times$ bound"),

@@ -14,8 +14,8 @@ from kvbench.report.tables import to_latex, to_markdown
 
 def _summary(compressor, bits_el, dnll, ratio=None, **extra):
     s = {"compressor": compressor, "model": "smollm2_135m", "dataset": "sotu", "n_tokens": 4096, "n_sequences": 4,
-         "bits_per_element": bits_el, "bits_per_token": bits_el * 11520, "bound_bits_per_token": 4.0,
-         "n_elements": 4096 * 11520,
+         "bits_per_element": bits_el, "stream_bits_per_element": bits_el, "bits_per_token": bits_el * 11520,
+         "bound_bits_per_token": 4.0, "n_elements": 4096 * 11520, "decode_s_per_token": 1e-4 * bits_el,
          "compression_ratio": ratio or 16 / bits_el, "delta_nll": dnll, "nll_base": 2.5, "encode_MBps": 100 / bits_el,
          "decode_MBps": 300.0, "rel_mse_k": 0.01, "rel_mse_v": 0.02, "lossless": dnll == 0,
          "delta_nll_ci": [dnll - 0.004, dnll + 0.004] if dnll else [0.0, 0.0], "trace": "/t/smollm2-sotu-aaaa"}

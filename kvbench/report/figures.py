@@ -267,11 +267,43 @@ def restore_ttft(rest: pd.DataFrame):
     return fig, ""
 
 
+def bits_vs_decode_time(df: pd.DataFrame):
+    """Stream bits per element against the decoder's seconds per restored token (log axes), every run a point: coders
+    that decode from KV alone, speculative and recompute (which run the model to decode) on one chart, with the
+    identity cell's decode (reading 16-bit KV back) as the reference line, a panel per model."""
+    d = pl.finite(pl.single_sequence_runs(df), "stream_bits_per_element", "decode_s_per_token")
+    if not d.empty:
+        d = d[(d["stream_bits_per_element"] > 0) & (d["decode_s_per_token"] > 0)]
+    if d.empty:
+        return None, "no run has stream_bits_per_element and decode_s_per_token"
+    facets = pl.facets(d)
+    compressors = sorted(d["compressor"].astype(str).unique())
+    colors = {c: st["color"] for c, st in series_styles(compressors).items()}
+    with rc_context(STYLE):
+        fig, axes = pl.grid(len(facets))
+        for ax, (title, g) in zip(axes, facets):
+            for c, s in g.groupby("compressor", sort=True):
+                ax.scatter(s["decode_s_per_token"], s["stream_bits_per_element"], color=colors[str(c)], label=str(c),
+                           s=14, zorder=3)
+            ref = g.loc[g["compressor"] == "identity", "decode_s_per_token"]
+            if not ref.empty:
+                ax.axvline(float(ref.median()), color="grey", linestyle=":", linewidth=1,
+                           label="16-bit KV read back (identity)")
+            pl.log_if_spans(ax, "x", g["decode_s_per_token"])
+            pl.log_if_spans(ax, "y", g["stream_bits_per_element"])
+            ax.set_xlabel("decode seconds per restored token (this machine)")
+            ax.set_ylabel("stream bits per KV element")
+            ax.set_title(title)
+    pl.legend(fig, [ax for ax in fig.axes if ax.get_visible()])
+    return fig, ""
+
+
 # name -> (table of the collection it reads, builder)
 FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], tuple[Figure | None, str]]]] = {
     "rate_distortion": ("runs", rate_distortion),
     "context_length": ("runs", context_length),
     "throughput_vs_ratio": ("runs", throughput),
+    "bits_vs_decode_time": ("runs", bits_vs_decode_time),
     "prefix_sharing": ("runs", prefix_sharing),
     "accuracy_regression": ("evals", accuracy),
     "latency_vs_memory": ("latency", latency_vs_memory),

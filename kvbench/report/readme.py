@@ -312,6 +312,8 @@ def compose(got: Collection, prov: Provenance, kept: dict[str, str], figs: Figur
         "Measured: the fewest bits per token within 1% NLL (or exact), as a multiple of the bound of the windows "
         "each was measured on:\n",
         to_markdown(distance_table(df), DISTANCE_COLUMNS),
+        _figure(figs, out, "bits_vs_decode_time", "Stream bits against the decoder's seconds per token: coders that "
+                "decode from KV alone beside speculative and recompute, which run the model"),
         findings("bound"),
     ]
     if others:

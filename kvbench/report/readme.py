@@ -26,6 +26,7 @@ import pandas as pd
 from kvbench.report.collect import Collection, collect, numeric, plain, series_label
 from kvbench.report.evidence import NOT_BACKED, machine
 from kvbench.report.sections import Table, section, select
+from kvbench.report.sections.decode_section import MEMORY_COLUMNS, memory_speed_table
 from kvbench.report.tables import format_ratio, pick, to_markdown
 from kvbench.report.writing import block, blocks, markdown
 from kvbench.store.paths import repo_root
@@ -40,8 +41,6 @@ PAPER_FACTOR = PAPER_PER_VECTOR_BITS / PAPER_BOUND_BITS
 
 SHARING_COLUMNS = pick("model", "compressor", "sharing.share_rate", "sharing.dedup_ratio", "compression_ratio",
                        "bits_per_token")
-MEMORY_COLUMNS = pick("model", "context", "cache", "bytes_ratio", "speed_ratio", "ms_compressed", "ms_dynamic",
-                      "tokens_match_dynamic")
 RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bytes_ratio", "encode_s", "decode_s",
                        "first_token_s", "prefill_s", "crossover_16bit_gbps", "crossover_16bit_spread",
                        "crossover_prefill_gbps", "crossover_prefill_spread", "first_token_matches_prefill", formats={"crossover_16bit_gbps": ".2f",
@@ -175,29 +174,6 @@ def sharing_table(df: pd.DataFrame) -> pd.DataFrame:
     d = df[numeric(df, "sharing.share_rate").notna()].copy()
     d["compressor"] = series_label(d, exclude=())
     return d.sort_values(["model", "compressor", "sharing.share_rate"])
-
-
-def memory_speed_table(lat: pd.DataFrame) -> pd.DataFrame:
-    """Per latency run, context and cache other than the 16-bit DynamicCache: its bytes and decode speed relative to
-    the DynamicCache measured in the same run (the compressed cache, and any library baseline such as
-    transformers' QuantizedCache)."""
-    need = {"run_id", "context", "cache", "bytes_held", "tokens_per_s"}
-    if lat.empty or not need <= set(lat.columns):
-        return pd.DataFrame()
-    dyn = lat[lat["cache"] == "dynamic"].set_index(["run_id", "context"])
-    rows = lat[lat["cache"] != "dynamic"].copy()
-    if rows.empty or dyn.empty:
-        return pd.DataFrame()
-    key = list(zip(rows["run_id"], rows["context"]))
-    ref = dyn.reindex(key)
-    rows["bytes_ratio"] = ref["bytes_held"].to_numpy() / numeric(rows, "bytes_held").to_numpy()
-    rows["speed_ratio"] = numeric(rows, "tokens_per_s").to_numpy() / ref["tokens_per_s"].to_numpy()
-    rows["ms_compressed"] = numeric(rows, "decode_median_ms")
-    rows["ms_dynamic"] = ref["decode_median_ms"].to_numpy() if "decode_median_ms" in ref else float("nan")
-    name = series_label(rows, exclude=())
-    rows["cache"] = [f"{n} (compressed)" if c == "compressed" else str(lbl) if isinstance(lbl, str) else c
-                     for c, n, lbl in zip(rows["cache"], name, rows.get("label", pd.Series(index=rows.index)))]
-    return rows.sort_values(["model", "context", "bytes_ratio"])
 
 
 def restore_table(rs: pd.DataFrame) -> pd.DataFrame:

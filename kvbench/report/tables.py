@@ -127,6 +127,10 @@ CATALOGUE = {c.key: c for c in (
     _col("decode_median_ms", "decode ms (median)", ".1f"),
     _col("decode_p95_ms", "decode ms (p95)", ".1f"),
     _col("tokens_per_s", "tokens/s", ".1f"),
+    _col("dtype", "cache dtype"),
+    _col("tokens_per_s_iqr", "tokens/s IQR", ".2f"),
+    _col("dynamic_tokens_per_s", "16-bit tokens/s", ".1f"),
+    _col("dynamic_tokens_per_s_iqr", "16-bit tokens/s IQR", ".2f"),
     _col("bytes_held", "bytes held", ",.0f"),
     _col("mb_held", "MB held", ".2f"),
     _col("peak_mem_mb", "peak RSS MB", ".0f"),  # the whole process's, model included

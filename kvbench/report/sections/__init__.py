@@ -1,12 +1,13 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
-(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview`` and ``defaults`` show every run under the report's dirs;
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults`` and ``decode`` show every run under the report's dirs;
 which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations
 
 from kvbench.report.sections.accuracy_section import accuracy_study
+from kvbench.report.sections.decode_section import decode
 from kvbench.report.sections.defaults_section import defaults
 from kvbench.report.sections.end_to_end_section import end_to_end
 from kvbench.report.sections.eviction_section import eviction
@@ -26,9 +27,9 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 #: section name -> the function that builds its tables and figures, in the report's order
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
-            "eviction": eviction, "defaults": defaults}
+            "eviction": eviction, "defaults": defaults, "decode": decode}
 #: sections with no study: they show every run under the report's dirs
-ALL_RUNS = ("overview", "defaults")
+ALL_RUNS = ("overview", "defaults", "decode")
 
 
 def _registry() -> dict[str, Section]:

@@ -253,14 +253,11 @@ class Waterfill(Compressor):
         enc = StreamEncoder()
         enc.categorical(tier.reshape(-1), tier_probs(n, self.tiers))
         sections["tiers"] = enc.finish()
-        dropped = (widths.sum(axis=2) == 0)  # (L, G): a tier with no coded component in a layer is evicted there
-        self._add("dropped_fraction", float(np.take_along_axis(dropped, tier, axis=1).mean()))
+        self._add("dropped_fraction", float((~_kept_tokens(widths, tier)).mean()))
         self._add("sequences", 1.0)
         per_kind = st.split(widths)
         for kind, x in (("k", kv.k), ("v", kv.v)):
-            w_kind = per_kind[kind]  # (L, G, r)
-            r = w_kind.shape[2]
-            per_entry = np.take_along_axis(w_kind.transpose(0, 2, 1), tier[:, None, :].repeat(r, 1), axis=2)  # (L, r, n)
+            per_entry = _entry_widths(per_kind[kind], tier)  # (L, r, n)
             xf = self._rotary_for(ctx.config).undo(x[:, :, n_sink:], ctx.start + n_sink) if kind == "k" else \
                 x[:, :, n_sink:].float()
             coef = (st.basis[kind].transpose(1, 2) @ (columns(xf, "layer") - st.mean[kind][:, :, None])).numpy()
@@ -301,22 +298,31 @@ class Waterfill(Compressor):
         per_kind = st.split(widths)
         out = {}
         for kind in KINDS:
-            w_kind = per_kind[kind]
-            r = w_kind.shape[2]
-            per_entry = np.take_along_axis(w_kind.transpose(0, 2, 1), tier[:, None, :].repeat(r, 1), axis=2)
+            per_entry = _entry_widths(per_kind[kind], tier)
             coef = _decode_coef(sec[f"{kind}.codes"], per_entry, st, kind)
             cols = st.mean[kind][:, :, None] + st.basis[kind] @ torch.from_numpy(coef)  # (L, d, n)
             x = uncolumns(cols, (L, H, n, D))  # (L, H, n, D) float32
             if kind == "k":
                 x = self._rotary_for(ctx.config).apply(x, ctx.start + n_sink)
             out[kind] = x
-        kept_tok = ~np.take_along_axis(widths.sum(axis=2) == 0, tier, axis=1)  # (L, n)
+        kept_tok = _kept_tokens(widths, tier)  # (L, n)
         kept = torch.ones(L, H, T, dtype=torch.bool)
         kept[:, :, n_sink:] = torch.from_numpy(kept_tok)[:, None, :]
         keep = kept[:, :, n_sink:, None]  # (L, H, n, 1): dropped entries are zero, as an eviction decoder's
         k[:, :, n_sink:] = torch.where(keep, out["k"], 0).to(ctx.dtype)
         v[:, :, n_sink:] = torch.where(keep, out["v"], 0).to(ctx.dtype)
         return KVSequence(k, v, kept=None if bool(kept.all()) else kept)
+
+
+def _entry_widths(w_kind: np.ndarray, tier: np.ndarray) -> np.ndarray:
+    """``(U, G, r)`` widths per tier and ``(U, n)`` tiers -> ``(U, r, n)`` the width of every coefficient."""
+    r = w_kind.shape[2]
+    return np.take_along_axis(w_kind.transpose(0, 2, 1), tier[:, None, :].repeat(r, 1), axis=2)
+
+
+def _kept_tokens(widths: np.ndarray, tier: np.ndarray) -> np.ndarray:
+    """``(U, n)``: False where a token's tier has no coded K or V component in its layer (evicted there)."""
+    return ~np.take_along_axis(widths.sum(axis=2) == 0, tier, axis=1)
 
 
 def _code(coef: np.ndarray, per_entry: np.ndarray, st: _State, kind: str) -> Section:
@@ -329,8 +335,9 @@ def _code(coef: np.ndarray, per_entry: np.ndarray, st: _State, kind: str) -> Sec
             continue
         step = (sigma[:, :, None] * steps[w - 1]).astype(np.float32)  # (U, r, 1)
         half = half_range(steps[w - 1])
-        q = np.clip(np.rint(coef / np.where(step > 0, step, 1.0)), -half, half)  # (U, r, n)
-        enc.categorical((q[sel] + half).astype(np.int32), probs[w])
+        at = np.broadcast_to(np.where(step > 0, step, np.float32(1.0)), coef.shape)[sel]  # only this width's entries
+        q = np.clip(np.rint(coef[sel] / at), -half, half)
+        enc.categorical((q + half).astype(np.int32), probs[w])
     return enc.finish()
 
 

@@ -234,7 +234,7 @@ def context_rows(m: dict[str, Any], bandwidths: list[float]) -> tuple[list[dict]
     comp, sixteen, prefill = routes(m)
     cross = crossovers(comp, sixteen, prefill)
     # the spread: each crossing computed from every round's times, lowest and highest
-    per_round = [crossovers(*routes(m, i)) for i in range(len(m.get("repeat_s", {}).get("decode", [])))]
+    per_round = [crossovers(*routes(m, i)) for i in range(len(m["repeat_s"]["decode"]))]
     for k in CROSSINGS:
         got = [c[k] for c in per_round if c[k] is not None]
         cross[f"{k}_spread"] = [min(got), max(got)] if got else None

@@ -98,6 +98,11 @@ def pareto_front(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.array(sorted(front, key=lambda i: x[i]), dtype=int)
 
 
+def compressor_colors(d: pd.DataFrame) -> dict[str, str]:
+    """One colour per compressor of ``d``, the same whichever panel it appears in."""
+    return {c: st["color"] for c, st in series_styles(sorted(d["compressor"].astype(str).unique())).items()}
+
+
 def throughput(df: pd.DataFrame):
     """Encode and decode throughput against compression ratio, the Pareto front marked."""
     d = pl.finite(df, "compression_ratio", "encode_MBps", "decode_MBps")
@@ -106,8 +111,7 @@ def throughput(df: pd.DataFrame):
     if d.empty:
         return None, "no run has finite compression_ratio, encode_MBps and decode_MBps"
     facets = pl.facets(d)
-    compressors = sorted(d["compressor"].astype(str).unique())
-    colors = {c: st["color"] for c, st in series_styles(compressors).items()}
+    colors = compressor_colors(d)
     with rc_context(STYLE):
         fig = Figure(figsize=(7.0, 2.8 * len(facets)), layout="constrained")
         axes = fig.subplots(len(facets), 2, squeeze=False)
@@ -277,8 +281,7 @@ def bits_vs_decode_time(df: pd.DataFrame):
     if d.empty:
         return None, "no run has stream_bits_per_element and decode_s_per_token"
     facets = pl.facets(d)
-    compressors = sorted(d["compressor"].astype(str).unique())
-    colors = {c: st["color"] for c, st in series_styles(compressors).items()}
+    colors = compressor_colors(d)
     with rc_context(STYLE):
         fig, axes = pl.grid(len(facets))
         for ax, (title, g) in zip(axes, facets):

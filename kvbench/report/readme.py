@@ -43,8 +43,8 @@ SHARING_COLUMNS = pick("model", "compressor", "sharing.share_rate", "sharing.ded
                        "bits_per_token")
 RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bytes_ratio", "encode_s", "decode_s",
                        "first_token_s", "prefill_s", "crossover_16bit_gbps", "crossover_16bit_spread",
-                       "crossover_prefill_gbps", "crossover_prefill_spread", "first_token_matches_prefill", formats={"crossover_16bit_gbps": ".2f",
-                                                               "crossover_prefill_gbps": ".4f"})
+                       "crossover_prefill_gbps", "crossover_prefill_spread", "first_token_matches_prefill",
+                       formats={"crossover_16bit_gbps": ".2f", "crossover_prefill_gbps": ".4f"})
 DISTANCE_COLUMNS = pick("model", "which", "compressor", "windows_text", "bits_per_token", "bound_bits_per_token",
                         "x_bound_text", "delta_nll_ci_text", "nll_verdict", formats={"bits_per_token": ",.1f"})
 PAPER_ARITHMETIC_COLUMNS = pick("model", "elements_per_token", "bound_bits_per_token", "paper_x_bound_text",

@@ -1,7 +1,7 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
-(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults`` and ``decode`` show every run under the report's dirs;
-which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults`` and ``decode`` show every run
+under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
-                        "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio", "delta_nll", "delta_nll_ci_text",
-                        "nll_verdict", "rel_mse_k", "rel_mse_v")
+                        "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio",
+                        "delta_nll", "delta_nll_ci_text", "nll_verdict", "rel_mse_k", "rel_mse_v")
 FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",

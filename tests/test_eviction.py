@@ -428,16 +428,21 @@ def test_a_run_counts_positions_and_reports_the_dropped_share(tiny_cfg, tiny_han
         assert summary["rel_mse_k"] == 0.0 and summary["lossless"] is False
 
 
-def test_queries_of_a_model_with_qk_norm_sliding_layers_and_its_own_scale_give_its_attention():
+def _tiny_gemma(sliding_window: int, kv_heads: int = 1):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                           num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, sliding_window=sliding_window,
                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                            max_position_embeddings=512, query_pre_attn_scalar=24)
     model = Gemma3ForCausalLM(cfg).eval()
     model.set_attn_implementation("eager")
+    return model
+
+
+def test_queries_of_a_model_with_qk_norm_sliding_layers_and_its_own_scale_give_its_attention():
+    model = _tiny_gemma(16)
     ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(1))
     got = capture_window(model, ids, 60, torch.float32)
     kv = KVSequence(got["k"], got["v"], ids)
@@ -447,6 +452,24 @@ def test_queries_of_a_model_with_qk_norm_sliding_layers_and_its_own_scale_give_i
         out = model(ids.unsqueeze(0), output_attentions=True)
     ref = torch.stack([a[0].sum(1) for a in out.attentions])  # (L, Hq, T)
     torch.testing.assert_close(attention_sums(qs, kv.k), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_expected_attention_gives_keys_outside_every_future_window_nothing_and_leaves_full_layers_alone():
+    model = _tiny_gemma(16, kv_heads=4)  # one query head per KV head: each softmax is renormalised on its own
+    ids = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(1))
+    got = capture_window(model, ids, 60, torch.float32)
+    kv = KVSequence(got["k"], got["v"], ids)
+    ctx = Context.for_kv(kv, model)
+    aware = ExpectedAttention(keep=0.25, sinks=2, future=8, value_norm=False).scores(kv, ctx)  # (L, H, T)
+    blind = ExpectedAttention(keep=0.25, sinks=2, future=8, value_norm=False, sliding=False).scores(kv, ctx)
+    # a key t is seen by a future query p in [60, 68) iff p - t < 16: t >= 45 by the first, t >= 53 by all
+    assert (aware[:2, :, :45] == 0).all() and (aware[:2, :, 45:] > 0).all()
+    share = ((torch.arange(45, 60) + 16 - 60).clamp(max=8) / 8).float()  # (15,) of the 8 future queries
+    ratio = aware[:2, :, 45:] / blind[:2, :, 45:]  # the renormalised softmax times each key's share
+    torch.testing.assert_close(ratio / ratio[..., -1:], (share / share[-1]).expand_as(ratio))
+    torch.testing.assert_close(aware[2], blind[2])  # the full-attention layer is as before
+    kept = ExpectedAttention(keep=0.25, sinks=2, future=8).kept_mask(kv, ctx)  # (L, H, T) 15 entries each
+    assert not kept[:2, :, 2:45].any()  # the local layers spend nothing outside the window but the sinks
 
 
 # ---------------------------------------------------------------------------------------------- in the loop

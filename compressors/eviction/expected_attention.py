@@ -25,8 +25,12 @@ class ExpectedAttention(Eviction):
     matrix ``R`` (the mean of the rotations, not a mixture), so a future query is ``N(R mu, R S R^T)`` and, with
     logit scale ``s``, ``E[exp(s q.k)] = exp(s k.R mu + s^2 k^T R S R^T k / 2)``. Softmax over the keys after the
     sinks gives the expected attention, averaged over the query heads of a KV head, then (``value_norm``)
-    ``(score + epsilon) * ||v||``. The sinks are always kept. Logit soft-capping and sliding windows are ignored
-    in the expectation.
+    ``(score + epsilon) * ||v||``. The sinks are always kept. Logit soft-capping is ignored in the expectation.
+
+    In a sliding-window layer (gemma-3's local layers) the future query at position ``p`` sees only keys newer than
+    ``p - W``: a key none of the next ``future`` queries can see has expected attention 0, and a visible key's is
+    scaled by the share of those queries that see it, so such a layer spends its budget on the keys its queries
+    can still read (``sliding=False``: windows ignored, as kvpress's press does).
     """
 
     sinks: int = 4
@@ -35,6 +39,7 @@ class ExpectedAttention(Eviction):
     covariance: bool = True
     value_norm: bool = True
     epsilon: float = 0.0
+    sliding: bool = True
 
     name = "expected_attention"
     needs_model = True
@@ -46,6 +51,7 @@ class ExpectedAttention(Eviction):
         check_range(self.name, "epsilon", self.epsilon, 0.0, math.inf)
         check_choice(self.name, "covariance", self.covariance, (True, False))
         check_choice(self.name, "value_norm", self.value_norm, (True, False))
+        check_choice(self.name, "sliding", self.sliding, (True, False))
 
     def _mean_rotation(self, qs: Queries, start: int, D: int) -> torch.Tensor:
         """``(L, D, D)`` M with ``x @ M`` = the averaged RoPE of the next ``future`` positions applied to ``x``."""
@@ -58,6 +64,18 @@ class ExpectedAttention(Eviction):
         half = eye[..., :R].chunk(2, dim=-1)
         rot = eye[..., :R] * c + torch.cat([-half[1], half[0]], dim=-1) * s  # RoPE's rotate-half pairing  # (L, D, R) row j = averaged rotation of e_j
         return torch.cat([rot, eye[..., R:]], dim=-1)  # (L, D, D)
+
+    def _seen_share(self, qs: Queries, T: int) -> torch.Tensor:
+        """``(L, 1, T)``: the share of the next ``future`` queries (positions ``T .. T + future - 1`` of this
+        segment) whose layer's sliding window holds each key; 1 in full-attention layers."""
+        share = torch.ones(len(qs.sliding), 1, T)
+        if not self.sliding:
+            return share
+        t = torch.arange(T, dtype=torch.float32)
+        for layer, W in enumerate(qs.sliding):
+            if W:  # query p sees key t iff p - t < W: of p in [T, T + future), those below t + W
+                share[layer, 0] = (t + W - T).clamp(0, self.future) / self.future
+        return share
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         L, H, T, D = kv.shape
@@ -76,7 +94,10 @@ class ExpectedAttention(Eviction):
             cov = M.transpose(1, 2).unsqueeze(1) @ cov @ M.unsqueeze(1)  # (L, Hq, D, D) R S R^T
             logits = logits + 0.5 * scale**2 * ((keys @ cov) * keys).sum(-1)
         logits[..., :sinks] = -math.inf  # the sinks are kept; the expectation is over the other keys
-        expected = per_kv_head(torch.softmax(logits, dim=-1), H, reduce="mean")  # (L, H, T)
+        seen = self._seen_share(qs, T)  # (L, 1, T)
+        logits = logits.masked_fill(seen == 0, -math.inf)
+        probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a layer with no visible key scores 0
+        expected = per_kv_head(probs * seen, H, reduce="mean")  # (L, H, T)
         if self.value_norm:
             expected = (expected + self.epsilon) * kv.v.float().norm(dim=-1)
         return expected

@@ -5,7 +5,7 @@
 Runs the eval cells of configs/experiment/matched_bits*.yaml that have no finished run (in one process on one
 loaded model, without the lock: nothing in it is timed for publication), then writes the report section accuracy
 (results/report/accuracy.{md,tex,csv}, results/report/figures/accuracy.{png,pdf}) and its table into
-results/accuracy.md between its markers.
+results/bigbench.md between its markers.
 """
 
 import sys

@@ -371,7 +371,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert md["eviction"].count("## ") == 2
     # every latency run against the DynamicCache of its own run (the IQR columns only where summaries carry them)
     assert "| decode tokens/s vs 16-bit |" in md["decode"] and "| 0.500 |" in md["decode"]
-    assert md["ruler"].count("## ") == 2 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
+    assert md["ruler"].count("## ") == 3 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
+    assert "## The cells" in md["ruler"]
     assert "| smollm2_135m | ruler_vt | 1024 | 30 | 0.500 |" in md["ruler"]
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]

@@ -33,6 +33,9 @@ from kvbench.store.results import git_sha
 TRACE_FORMAT = 1
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
+#: dataset.split: the windows every study scores, and further ones for choosing hyperparameters
+SPLITS = ("test", "dev")
+
 
 def cache_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
@@ -136,6 +139,8 @@ def trace_key(cfg: Any) -> str:
         "dtype": cfg.dtype,
         "pre_rope": bool(cfg.capture.pre_rope),
     }
+    if split_of(ds) != "test":  # the test split's traces keep the keys they had before splits existed
+        key["split"] = split_of(ds)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -143,13 +148,34 @@ def default_trace_dir(cfg: Any) -> Path:
     return home() / "traces" / f"{cfg.model.name}-{cfg.dataset.name}-{trace_key(cfg)}"
 
 
+def split_of(ds: Any) -> str:
+    """``dataset.split``: ``test`` (the default) or ``dev``; anything else is an error naming both."""
+    split = str(ds.get("split", "test") if hasattr(ds, "get") else "test")
+    if split not in SPLITS:
+        raise ValueError(f"dataset.split={split!r} is not allowed; choose one of {list(SPLITS)}")
+    return split
+
+
+def split_windows(ds: Any) -> tuple[int, int]:
+    """``(first, total)``: the evaluated windows are draws ``first .. first + n_sequences - 1`` of the dataset's
+    seeded window order and ``total`` are drawn. ``test`` scores the first ``n_sequences`` draws; ``dev`` the
+    ``n_sequences`` draws after the test and calibration windows (other documents whenever the text has more
+    documents than windows), so a hyperparameter chosen on ``dev`` never saw a test window."""
+    n, calib = int(ds.n_sequences), int(ds.n_calib)
+    return (0, n + calib) if split_of(ds) == "test" else (n + calib, 2 * n + calib)
+
+
 def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:
-    """Capture ``n_calib + n_sequences`` windows into ``out`` (written atomically)."""
+    """Capture the ``n_sequences`` evaluated windows of ``dataset.split`` and the ``n_calib`` calibration windows
+    into ``out`` (written atomically)."""
     from tqdm import tqdm
 
     ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
+    first, drawn = split_windows(ds)
+    every = sample_windows(load_documents(ds), handle.tokenizer, drawn, ds.seq_len + ds.eval_len + 1, ds.seed)
     total = ds.n_sequences + ds.n_calib
-    windows = sample_windows(load_documents(ds), handle.tokenizer, total, ds.seq_len + ds.eval_len + 1, ds.seed)
+    # the calibration windows follow the test windows in either split; a dev split's own come last
+    windows = torch.cat([every[first : first + ds.n_sequences], every[ds.n_sequences : ds.n_sequences + ds.n_calib]])
     info = describe(handle.model, cfg.model.name, cfg.model.source, getattr(handle, "_meta", {}))
     roles = ["eval"] * ds.n_sequences + ["calib"] * ds.n_calib
     t0 = time.perf_counter()
@@ -162,7 +188,7 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
             "format_version": TRACE_FORMAT,
             "model": asdict(info),
             "dtype": cfg.dtype,
-            "dataset": {k: ds[k] for k in ds},
+            "dataset": {**{k: ds[k] for k in ds}, "split": split_of(ds)},
             "roles": roles,
             "pre_rope": bool(cfg.capture.pre_rope),
             "kvbench_version": __version__,

@@ -25,7 +25,7 @@ from kvbench.core.items import Item, Source
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
-from kvbench.inputs.capture import cache_dtype, load_or_capture
+from kvbench.inputs.capture import cache_dtype, load_or_capture, split_windows
 from kvbench.inputs.data import load_documents
 from kvbench.inputs.models import ModelHandle
 from kvbench.inputs.workloads import selected as workload_selected
@@ -55,13 +55,13 @@ def window_documents(ds: Any, n: int) -> np.ndarray:
     with: one window per document when the dataset has at least as many documents as windows, else runs of
     ``ceil(windows / documents)`` consecutive windows per document (exact when every document it visits holds
     that many; a shorter one gives fewer, and the runs after it shift)."""
-    total = int(ds.n_sequences) + int(ds.n_calib)
+    first, total = split_windows(ds)
     try:
         n_docs = len(load_documents(ds))
     except (AssetError, OSError, ValueError):  # a trace whose text is not here: call every window a document
         return np.arange(n)
     per_doc = 1 if n_docs >= total else -(-total // max(n_docs, 1))
-    return np.arange(n) // per_doc
+    return (first + np.arange(n)) // per_doc
 
 
 #: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every

@@ -174,6 +174,7 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     df["x_bound"] = numeric(df, "bits_per_token") / numeric(df, "bound_bits_per_token")
     for t in ("encode_s", "decode_s"):  # a run codes n_sequences windows (or sessions) one after another
         df[f"{t}_per_seq"] = numeric(df, t) / numeric(df, "n_sequences")
+    df["eval_s_per_example"] = numeric(df, "eval_s") / numeric(df, "n_examples")  # an eval cell's wall time per example
     _quality(df)
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)

@@ -34,6 +34,7 @@ CATALOGUE = {c.key: c for c in (
     _col("dataset", "dataset"),
     _col("compressor", "compressor"),
     _col("params", "params"),
+    _col("chosen", "chosen on dev"),
     _col("workload", "workload"),
     _col("sharing.share_rate", "share rate", ".2f"),
     _col("context_len", "context", "d"),
@@ -119,6 +120,12 @@ CATALOGUE = {c.key: c for c in (
     _col("chance", "chance", ".2f"),
     _col("near_chance_text", "near chance"),
     _col("smallest_significant_diff", "smallest significant change", ".2f"),
+    # an eval cell as it ran (eval.json)
+    _col("protocol", "protocol"),
+    _col("n_examples", "examples", "d"),
+    _col("eval_s", "eval s", ".0f"),
+    _col("eval_s_per_example", "s/example", ".2f"),
+    _col("load_average_1min", "load (1 min)", ".1f"),
     # end-to-end latency (latency.json, one row per context and cache)
     _col("context", "context", "d"),
     _col("cache", "cache"),

@@ -67,6 +67,7 @@ NOT_KEYED_METRICS = ("resume",)
 #: (node, field) -> value: config fields added after runs were filed without them, left out of the key while they hold
 #: the value under which the run measures what those runs measured, so those runs keep their keys
 ADDED_LATER = {
+    ("dataset", "split"): "test",
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
 }

@@ -25,6 +25,13 @@ RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 
               "it; the test is exact McNemar where every score is 0 or 1, a paired permutation test where scores give "
               "partial credit; detectable: the true change a two-sided test at the 5% level detects 80% of the time "
               "with this many examples and the observed variance.")
+RULER_CELL_COLUMNS = pick("model", "compressor", "bits_per_element", "protocol", "n_examples", "eval_s",
+                          "eval_s_per_example", "load_average_1min", formats={"bits_per_element": ".2f"})
+RULER_CELL_NOTE = ("Each cell as it ran: its protocol (context_only: the context compressed, the question prefilled on "
+                   "top uncompressed, as kvpress does; query_aware: the prompt but its last token compressed), its "
+                   "examples over every family and length, and its wall time (the compressed pass, with the baseline's "
+                   "where the process had not already run the same examples: the first cell of a process pays for "
+                   "the baseline, later ones reuse it); load: the machine's one-minute load average at the end.")
 POOLED = "pooled (clear of chance)"
 
 
@@ -75,7 +82,9 @@ def ruler_study(got: Collection) -> tuple[list[Table], Figures]:
         return [], {"ruler": (None, "no RULER eval run (python -m kvbench eval tasks=[ruler])")}
     tasks = d[d["family"] != "pooled"]
     base = tasks.drop_duplicates(["model", "task"]) if "model" in tasks else tasks.drop_duplicates("task")
+    cells = d[d["family"] == "pooled"]
     tables = [Table("ruler", base, RULER_BASE_COLUMNS, "16-bit baseline per task", RULER_BASE_NOTE.format(margin=NEAR_CHANCE_MARGIN)),
-              Table("ruler", d, RULER_COLUMNS, "accuracy with the compressed cache, per task and pooled", RULER_NOTE, csv=True)]
+              Table("ruler", d, RULER_COLUMNS, "accuracy with the compressed cache, per task and pooled", RULER_NOTE, csv=True),
+              Table("ruler", cells, RULER_CELL_COLUMNS, "the cells", RULER_CELL_NOTE)]
     figures = {f"ruler_{model}": study_figures.accuracy_vs_bits(g) for model, g in by_model(tasks)}
     return tables, figures

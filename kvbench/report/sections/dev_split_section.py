@@ -1,0 +1,36 @@
+"""The dev-split section: hyperparameters of the fitted coders chosen on the development split (``dataset.split=dev``:
+windows from documents no test or calibration window comes from), never on the windows the other studies score."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvbench.report.collect import Collection, numeric
+from kvbench.report.sections.per_model import model_first
+from kvbench.report.sections.section_types import Figures, Table
+from kvbench.report.tables import pick
+
+DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
+                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "chosen")
+DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "
+            "other documents; the calibration windows are the test runs' own). Per model, coder and bit budget the "
+            "chosen candidate is the one with the lowest dNLL; the test windows are never scored here. A run on the "
+            "test split is not shown.")
+
+
+def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
+    """The dev runs of ``d`` with ``chosen`` = ``yes`` on the lowest delta-NLL per (model, compressor, bits)."""
+    if d.empty or "cfg.dataset.split" not in d:
+        return d.iloc[0:0]
+    dev = d[d["cfg.dataset.split"].astype(str) == "dev"].copy()
+    if dev.empty:
+        return dev
+    keys = [dev[c].astype(str) for c in ("model", "compressor", "compressor_params.bits") if c in dev]
+    best = numeric(dev, "delta_nll").groupby(keys).idxmin().dropna()
+    dev["chosen"] = ["yes" if i in set(best) else "" for i in dev.index]
+    return model_first(dev)
+
+
+def dev_split(got: Collection) -> tuple[list[Table], Figures]:
+    return [Table("dev_split", dev_choice(got.table), DEV_COLUMNS, "candidates on the development split", DEV_NOTE,
+                  empty="_no run on the development split (dataset.split=dev)_\n", csv=True)], {}

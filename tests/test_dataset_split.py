@@ -1,0 +1,75 @@
+"""dataset.split: a development split for choosing hyperparameters whose windows come from documents no test
+window or calibration window comes from."""
+
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.inputs.capture import load_or_capture, split_windows, trace_key
+from kvbench.measure.run import window_documents
+from kvbench.store.results import cell_key
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    """Twelve documents of distinct random letters: a window's text is found in exactly one of them."""
+    rng = np.random.default_rng(0)
+    docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), size=120)) for _ in range(12)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    return path, docs
+
+
+def _documents(trace, docs, role):
+    texts = ["".join(chr(int(t)) for t in s.kv.tokens) for s in trace.sequences if s.role == role]
+    found = [[i for i, d in enumerate(docs) if t in d] for t in texts]
+    assert all(len(f) == 1 for f in found)  # every window is a piece of one document
+    return [f[0] for f in found]
+
+
+def test_the_dev_split_scores_other_documents_with_the_same_calibration(tiny_cfg, tiny_handle, corpus):
+    path, docs = corpus
+    common = [f"dataset.path={path}", "dataset.seq_len=40", "dataset.eval_len=8", "dataset.n_sequences=3",
+              "dataset.n_calib=2"]
+    test = load_or_capture(tiny_cfg(*common), tiny_handle)
+    dev_cfg = tiny_cfg(*common, "dataset.split=dev")
+    dev = load_or_capture(dev_cfg, tiny_handle)
+    assert trace_key(dev_cfg) != trace_key(tiny_cfg(*common))
+    scored = set(_documents(test, docs, "eval")) | set(_documents(test, docs, "calib"))
+    assert not set(_documents(dev, docs, "eval")) & scored
+    assert _documents(dev, docs, "calib") == _documents(test, docs, "calib")  # fitted coders fit the same windows
+    assert dev.manifest["dataset"]["split"] == "dev" and split_windows(dev_cfg.dataset) == (5, 8)
+    # the interval's documents are the dev windows' own
+    assert window_documents(dev_cfg.dataset, 3).tolist() == [5, 6, 7]
+
+
+def test_the_test_split_keeps_the_keys_it_had_and_a_bad_split_names_the_choices(tiny_cfg):
+    cfg = tiny_cfg()
+    as_before = OmegaConf.to_container(cfg, resolve=True)
+    del as_before["dataset"]["split"]
+    assert cell_key(OmegaConf.to_container(cfg, resolve=True)) == cell_key(as_before)
+    assert cell_key(OmegaConf.to_container(tiny_cfg("dataset.split=dev"), resolve=True)) != cell_key(as_before)
+    with pytest.raises(ValueError, match=r"dataset.split='val' is not allowed; choose one of \['test', 'dev'\]"):
+        trace_key(tiny_cfg("dataset.split=val"))
+
+
+def test_every_cell_of_the_selection_study_scores_the_dev_split_alone():
+    from kvbench.report.sections import section
+    from kvbench.sweep.presets import cells
+
+    todo = cells(section("dev_split").presets, ["model=gemma3_270m"])
+    assert len(todo) == 8 and all(c.cfg.dataset.split == "dev" for c in todo)
+
+
+def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget():
+    import pandas as pd
+
+    from kvbench.report.sections.dev_split_section import dev_choice
+
+    d = pd.DataFrame({"model": ["m"] * 5, "compressor": ["c"] * 5, "compressor_params.bits": [1, 1, 2, 2, 2],
+                      "cfg.dataset.split": ["dev", "dev", "dev", "dev", "test"],
+                      "delta_nll": [0.2, 0.1, 0.05, 0.07, 0.0]})
+    got = dev_choice(d)
+    assert len(got) == 4 and got["chosen"].tolist() == ["", "yes", "yes", ""]  # the test run is never a candidate

@@ -410,3 +410,14 @@ def test_a_generated_block_replaces_its_markers_contents_and_keeps_the_text_arou
     assert blocks(md.read_text(), "generated") == {"study": "| new |\n|---|"}
     put_block(md, "other", "| x |", "why")
     assert md.read_text().endswith("Findings.\n\n<!-- generated:other (why) -->\n| x |\n<!-- /generated -->\n")
+
+
+def test_the_best_points_are_ranked_by_each_rate_and_the_note_names_where_they_disagree():
+    from kvbench.report.sections.frontier_section import rank_note, rate_ranks
+
+    best = pd.DataFrame({"model": ["a", "a", "b", "b"], "stream_bits_per_element": [1.0, 2.0, 1.0, 2.0],
+                         "bits_per_element": [3.0, 2.5, 1.1, 2.1], "bits_per_element_amortized": [1.0, 2.0, 1.0, 2.0]})
+    ranked = rate_ranks(best)
+    assert ranked["rank_charged"].tolist() == [2, 1, 1, 2] and ranked["rank_amortized"].tolist() == [1, 2, 1, 2]
+    assert rank_note(ranked) == "The ranking by stream bits differs from the ranking by the other rates on a (by charged bits)."
+    assert rank_note(rate_ranks(best[best["model"] == "b"])) == "Stream, charged and amortized bits rank these points alike."

@@ -31,7 +31,7 @@ RULER_CELL_NOTE = ("Each cell as it ran: its protocol (context_only: the context
                    "top uncompressed, as kvpress does; query_aware: the prompt but its last token compressed), its "
                    "examples over every family and length, and its wall time (the compressed pass, with the baseline's "
                    "where the process had not already run the same examples: the first cell of a process pays for "
-                   "the baseline, later ones reuse it); load: the machine's one-minute load average at the end.")
+                   "the baseline, later ones reuse it); load: the machine's one-minute load average when the cell started.")
 POOLED = "pooled (clear of chance)"
 
 

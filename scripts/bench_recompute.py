@@ -22,11 +22,11 @@ means the model is what costs, not the harness around it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from kvbench.core.config import compose
 from kvbench.core.kv import Context
 from kvbench.inputs.capture import load_or_capture
 from kvbench.inputs.models import ModelHandle
+from kvbench.store.atomic import write_json
 
 
 def per_token(fn, n: int, repeats: int) -> float:
@@ -67,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     n = int(ids.size) - 1  # the steps that yield a coded row
 
     def steps(row: bool):
+        @torch.no_grad()
         def run():
             lm = NextTokenModel(model)
             for t in ids[:-1]:
                 if row:
                     lm.after(int(t))
                 else:
-                    with torch.no_grad():
-                        lm.model(torch.tensor([[int(t)]]), cache=lm.cache, use_cache=True)
+                    lm.model(torch.tensor([[int(t)]], device=lm.device), cache=lm.cache, use_cache=True)
         return run
 
     with intra_op_threads(args.threads):
@@ -103,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "" if k == "step" else f"  ({out[f'{k}_over_step']:.2f}x step)"
         print(f"  {k:7s} {1e3 * out[f'{k}_s']:8.2f} ms/token{ratio}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(Path(args.json), out)
     return 0
 
 

@@ -60,10 +60,10 @@ def test_every_cell_of_the_selection_study_scores_the_dev_split_alone():
     from kvbench.sweep.presets import cells
 
     todo = cells(section("dev_split").presets, ["model=gemma3_270m"])
-    assert len(todo) == 10 and all(c.cfg.dataset.split == "dev" for c in todo)
+    assert len(todo) == 20 + 18 and all(c.cfg.dataset.split == "dev" for c in todo)
 
 
-def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget():
+def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget_at_matched_rate():
     import pandas as pd
 
     from kvbench.report.sections.dev_split_section import dev_choice
@@ -73,3 +73,6 @@ def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget():
                       "delta_nll": [0.2, 0.1, 0.05, 0.07, 0.0]})
     got = dev_choice(d)
     assert len(got) == 4 and got["chosen"].tolist() == ["", "yes", "yes", ""]  # the test run is never a candidate
+    # a candidate more than 5% above its group's lowest stream rate does not win by spending those bits
+    d["stream_bits_per_element"] = [1.0, 1.2, 2.2, 2.09, 2.0]
+    assert dev_choice(d)["chosen"].tolist() == ["yes", "", "", "yes"]

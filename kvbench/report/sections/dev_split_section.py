@@ -12,21 +12,30 @@ from kvbench.report.tables import pick
 
 DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
                    "delta_nll", "delta_nll_ci_text", "nll_verdict", "chosen")
+#: a candidate competes only if its stream rate is within this factor of the lowest of its coder and budget
+RATE_SLACK = 1.05
 DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "
             "other documents; the calibration windows are the test runs' own). Per model, coder and bit budget the "
-            "chosen candidate is the one with the lowest dNLL; the test windows are never scored here. A run on the "
-            "test split is not shown.")
+            "chosen candidate is the one with the lowest dNLL among those whose stream bits/elt is within "
+            f"{RATE_SLACK - 1:.0%} of the lowest of that coder and budget (a candidate that spends more bits on the "
+            "same budget does not win by it); the test windows are never scored here. A run on the test split is not "
+            "shown.")
 
 
 def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
-    """The dev runs of ``d`` with ``chosen`` = ``yes`` on the lowest delta-NLL per (model, compressor, bits)."""
+    """The dev runs of ``d`` with ``chosen`` = ``yes`` on the lowest delta-NLL per (model, compressor, bits) among the
+    runs at matched rate (stream bits per element at most :data:`RATE_SLACK` times the group's lowest)."""
     if d.empty or "cfg.dataset.split" not in d:
         return d.iloc[0:0]
     dev = d[d["cfg.dataset.split"].astype(str) == "dev"].copy()
     if dev.empty:
         return dev
     keys = [dev[c].astype(str) for c in ("model", "compressor", "compressor_params.bits") if c in dev]
-    best = numeric(dev, "delta_nll").groupby(keys).idxmin().dropna()
+    dnll = numeric(dev, "delta_nll")
+    if "stream_bits_per_element" in dev:
+        rate = numeric(dev, "stream_bits_per_element")
+        dnll = dnll.where(rate <= rate.groupby(keys).transform("min") * RATE_SLACK)
+    best = dnll.groupby(keys).idxmin().dropna()
     dev["chosen"] = ["yes" if i in set(best) else "" for i in dev.index]
     return model_first(dev)
 

@@ -1,6 +1,7 @@
 """The harness end to end on a tiny random model: capture, trace reuse, rates, distortion, NLL, output files."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -65,6 +66,7 @@ def test_identity_is_exact_with_ratio_one_and_zero_delta_nll(tiny_cfg, tiny_hand
     assert len(rows) == 2 * 2
     assert summary["decode_flops_per_token"] == 0.0  # no model runs to decode
     assert summary["bits_per_element_amortized"] == summary["bits_per_element"]  # nothing fitted to spread
+    assert math.isnan(summary["rd_bits_per_element"])  # no finite rate reaches zero error
 
 
 def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):
@@ -76,6 +78,9 @@ def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):
     payload = summary["total_bits"] - summary["bits_by_part"]["frame"]
     assert payload / summary["n_elements"] == 2 + 2 * 16 / 16
     assert summary["bits_per_element"] > 4.0
+    # a Gaussian coder matched to these windows' covariance would need fewer bits for KIVI's error than KIVI spends
+    assert 0 < summary["rd_bits_per_element"] < summary["stream_bits_per_element"]
+    assert 0 < summary["rd_bits_per_element_pre_rope"] < summary["stream_bits_per_element"]
     assert summary["compression_ratio"] == pytest.approx(16 * summary["n_elements"] / summary["total_bits"])
     assert summary["bits_per_token"] == pytest.approx(summary["total_bits"] / summary["n_tokens"])
     from omegaconf import OmegaConf
@@ -104,6 +109,7 @@ class _NoModel:
     """A handle whose model must not be touched: runs on a stored trace without the NLL metric."""
 
     cfg = None
+    config = None  # no model installed to read it from
     loaded = False
 
     @property

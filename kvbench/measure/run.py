@@ -23,6 +23,7 @@ from kvbench.core.codec import Codec, prepare, state_cache_path
 from kvbench.core.compressor import Compressor, SetCompressor
 from kvbench.core.items import Item, Source
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, load_or_capture, split_windows
@@ -32,6 +33,7 @@ from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.measure.metrics.intervals import NLL_TOLERANCE, detectable_from_ci, document_bootstrap_ci, verdict
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
+from kvbench.measure.metrics.rate_distortion import gaussian_rd
 from kvbench.measure.metrics.task_loss import continuation_nlls
 from kvbench.store.results import NLL_KEY, git_sha
 
@@ -218,6 +220,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
         "dropped_fraction": dist.dropped_fraction("k"),
+        **rd_reference(kvs, dist, lossless, config if config is not None else _config_if_installed(handle)),
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
         **recall_loss(recall_base, recall_comp, cfg.metrics, source.fields.get("eval_documents"), recall_of),
         "nll_compressed_reused": reused,
@@ -233,6 +236,24 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         NLL_KEY: (nll_base, nll_comp),  # the run directory's nll.npz, not the summary's
     }
     return summary, dist.rows()
+
+
+def _config_if_installed(handle: ModelHandle) -> Any:
+    """The model's config, or None where a run on a stored trace has no model to read it from."""
+    try:
+        return handle.config
+    except (AssetError, OSError):
+        return None
+
+
+def rd_reference(kvs: Sequence[KVSequence], dist: DistortionAccumulator, lossless: bool, config: Any) -> dict:
+    """The Gaussian rate–distortion rates at the run's relative MSEs (:mod:`kvbench.measure.metrics.rate_distortion`);
+    NaN for a lossless run (no finite rate reaches zero error) and for one that evicts (its relative MSE is over the
+    kept vectors only, and a dropped vector's cost is not squared error). Keys with RoPE undone need ``config``."""
+    if lossless or dist.dropped_fraction("k") > 0 or dist.dropped_fraction("v") > 0:
+        return {"rd_bits_per_element": math.nan, "rd_bits_per_element_pre_rope": math.nan}
+    return gaussian_rd([kv.k for kv in kvs], [kv.v for kv in kvs], dist.rel_mse("k"), dist.rel_mse("v"),
+                       None if config is None else Rotary(config))
 
 
 def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any, documents: Sequence[int] | None = None) -> dict:

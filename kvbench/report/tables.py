@@ -35,6 +35,7 @@ CATALOGUE = {c.key: c for c in (
     _col("compressor", "compressor"),
     _col("params", "params"),
     _col("chosen", "chosen on dev"),
+    _col("default", "default (all budgets)"),
     _col("rank_stream", "rank by stream", "d"),
     _col("rank_charged", "rank by charged", "d"),
     _col("rank_amortized", "rank by amortized", "d"),
@@ -54,6 +55,9 @@ CATALOGUE = {c.key: c for c in (
     _col("nll_base", "NLL base", ".3f"),
     _col("rel_mse_k", "rel MSE K", ".2e"),
     _col("rel_mse_v", "rel MSE V", ".2e"),
+    # the Gaussian rate-distortion rate at the run's own relative MSEs (kvbench.measure.metrics.rate_distortion)
+    _col("rd_bits_per_element", "Gaussian R(D) bits/elt", ".3f"),
+    _col("rd_bits_per_element_pre_rope", "R(D) pre-RoPE", ".3f"),
     _col("encode_MBps", "enc MB/s", ",.0f"),
     _col("decode_MBps", "dec MB/s", ",.0f"),
     _col("lossless", "lossless"),

@@ -76,3 +76,21 @@ def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget_at_matched
     # a candidate more than 5% above its group's lowest stream rate does not win by spending those bits
     d["stream_bits_per_element"] = [1.0, 1.2, 2.2, 2.09, 2.0]
     assert dev_choice(d)["chosen"].tolist() == ["yes", "", "", "yes"]
+
+
+def test_the_default_is_the_setting_with_the_lowest_nll_change_summed_over_the_budgets():
+    import pandas as pd
+
+    from kvbench.report.sections.dev_split_section import dev_choice
+
+    # setting w=a wins at 1 bit by 0.02 and loses at 2 bits by 0.001: summed, it is the default
+    d = pd.DataFrame({"model": ["m"] * 6, "compressor": ["c"] * 6, "compressor_params.bits": [1, 1, 2, 2, 2, 2],
+                      "params": ["bits=1 w=a", "bits=1 w=b", "bits=2 w=a", "bits=2 w=b", "bits=2 w=c", "bits=2 w=a"],
+                      "cfg.dataset.split": ["dev"] * 5 + ["test"],
+                      "delta_nll": [0.05, 0.07, 0.004, 0.003, 0.0, 0.0]})
+    got = dev_choice(d).set_index("params")
+    assert got["chosen"].to_dict() == {"bits=1 w=a": "yes", "bits=1 w=b": "", "bits=2 w=a": "", "bits=2 w=b": "",
+                                       "bits=2 w=c": "yes"}
+    # w=c, measured at one budget only, is no default; the test run's lower NLL change does not count
+    assert got["default"].to_dict() == {"bits=1 w=a": "yes", "bits=1 w=b": "", "bits=2 w=a": "yes", "bits=2 w=b": "",
+                                        "bits=2 w=c": ""}

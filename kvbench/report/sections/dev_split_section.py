@@ -11,15 +11,16 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
-                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "chosen")
+                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "chosen", "default")
 #: a candidate competes only if its stream rate is within this factor of the lowest of its coder and budget
 RATE_SLACK = 1.05
 DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "
             "other documents; the calibration windows are the test runs' own). Per model, coder and bit budget the "
             "chosen candidate is the one with the lowest dNLL among those whose stream bits/elt is within "
             f"{RATE_SLACK - 1:.0%} of the lowest of that coder and budget (a candidate that spends more bits on the "
-            "same budget does not win by it); the test windows are never scored here. A run on the test split is not "
-            "shown.")
+            "same budget does not win by it); a coder's default (one setting for every budget) is the setting whose dNLL, "
+            "summed over the budgets, is lowest among those at matched rate at every budget. The test windows are never "
+            "scored here. A run on the test split is not shown.")
 
 
 def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
@@ -37,7 +38,26 @@ def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
         dnll = dnll.where(rate <= rate.groupby(keys).transform("min") * RATE_SLACK)
     best = dnll.groupby(keys).idxmin().dropna()
     dev["chosen"] = ["yes" if i in set(best) else "" for i in dev.index]
+    dev["default"] = _defaults(dev, dnll)
     return model_first(dev)
+
+
+def _defaults(dev: pd.DataFrame, dnll: pd.Series) -> list[str]:
+    """``yes`` on the runs of each (model, compressor)'s default setting: its hyperparameters apart from the budget,
+    with the lowest delta-NLL summed over the budgets, among the settings competing (``dnll`` not NaN) at all."""
+    setting = dev.get("params", pd.Series("", index=dev.index)).astype(str)
+    setting = setting.str.replace(r"(^| )bits=\S+", "", regex=True).str.strip()
+    coder = dev["model"].astype(str) + "\0" + dev["compressor"].astype(str)
+    budget = dev.get("compressor_params.bits", pd.Series("", index=dev.index)).astype(str)
+    budgets = budget.groupby(coder).transform("nunique")
+    per = pd.DataFrame({"coder": coder, "setting": setting, "dnll": dnll, "budgets": budgets})
+    sums = per.groupby(["coder", "setting"]).agg(total=("dnll", "sum"), n=("dnll", "count"), want=("budgets", "first"))
+    sums = sums[sums["n"] == sums["want"]]
+    if sums.empty:
+        return [""] * len(dev)
+    best = set(sums.reset_index().loc[lambda t: t.groupby("coder")["total"].idxmin(), ["coder", "setting"]]
+               .itertuples(index=False, name=None))
+    return ["yes" if (c, st) in best else "" for c, st in zip(coder, setting)]
 
 
 def dev_split(got: Collection) -> tuple[list[Table], Figures]:

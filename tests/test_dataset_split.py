@@ -85,6 +85,7 @@ def test_the_default_is_the_setting_with_the_lowest_nll_change_summed_over_the_b
 
     # setting w=a wins at 1 bit by 0.02 and loses at 2 bits by 0.001: summed, it is the default
     d = pd.DataFrame({"model": ["m"] * 6, "compressor": ["c"] * 6, "compressor_params.bits": [1, 1, 2, 2, 2, 2],
+                      "compressor_params.w": ["a", "b", "a", "b", "c", "a"],
                       "params": ["bits=1 w=a", "bits=1 w=b", "bits=2 w=a", "bits=2 w=b", "bits=2 w=c", "bits=2 w=a"],
                       "cfg.dataset.split": ["dev"] * 5 + ["test"],
                       "delta_nll": [0.05, 0.07, 0.004, 0.003, 0.0, 0.0]})

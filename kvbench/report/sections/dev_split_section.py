@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from kvbench.report.collect import Collection, numeric
+from kvbench.report.collect import Collection, numeric, param_columns, plain
 from kvbench.report.sections.per_model import model_first
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -45,8 +45,9 @@ def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
 def _defaults(dev: pd.DataFrame, dnll: pd.Series) -> list[str]:
     """``yes`` on the runs of each (model, compressor)'s default setting: its hyperparameters apart from the budget,
     with the lowest delta-NLL summed over the budgets, among the settings competing (``dnll`` not NaN) at all."""
-    setting = dev.get("params", pd.Series("", index=dev.index)).astype(str)
-    setting = setting.str.replace(r"(^| )bits=\S+", "", regex=True).str.strip()
+    others = [c for c in param_columns(dev) if c != "compressor_params.bits"]
+    setting = pd.Series([" ".join(plain(v) for v in row) for row in dev[others].itertuples(index=False)],
+                        index=dev.index, dtype=object)
     coder = dev["model"].astype(str) + "\0" + dev["compressor"].astype(str)
     budget = dev.get("compressor_params.bits", pd.Series("", index=dev.index)).astype(str)
     budgets = budget.groupby(coder).transform("nunique")

@@ -5,9 +5,10 @@ stream bits per element and its held-out NLL change with a paired 95% interval.
     .venv/bin/python scripts/frontier.py [--no-run] [--force] [OVERRIDE ...]
 
 Runs the cells of configs/experiment/frontier_*.yaml that have no finished run (in one process, each measured cell
-under the benchmark lock; runs under results/runs), then writes the report section frontier
-(results/report/frontier.{md,tex,csv}, results/report/figures/frontier_<model>.{png,pdf}) and its tables into
-results/frontier.md between its markers (the findings around them are kept).
+under the benchmark lock; runs under results/runs), then publishes the newest run of each cell as the
+study's evidence (results/evidence/frontier/) and rebuilds results/frontier.md from its source
+(results/evidence/pages/frontier.md) and that evidence, with the report section frontier
+(results/report/frontier/: frontier.{md,tex,csv}, figures/frontier_<model>.{png,pdf}).
 """
 
 import sys

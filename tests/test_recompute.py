@@ -6,11 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from compressors.exact.recompute import NextTokenModel, Recompute, intra_op_threads
+from compressors.exact.recompute import Recompute
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.config import compose, make_compressor
 from kvbench.core.flops import forward_flops_per_token, prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.next_token import NextTokenModel, torch_threads
 from kvbench.inputs.capture import capture_window
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.run import measure
@@ -46,7 +47,7 @@ def test_tokens_decode_exactly_and_kv_is_regenerated(tiny_model, tiny_handle):
 def test_rows_come_from_the_same_one_token_steps_on_both_sides(tiny_model):
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     a, b = NextTokenModel(tiny_model), NextTokenModel(tiny_model)
-    with intra_op_threads(1):
+    with torch_threads(1):
         for t in ids:
             pa, pb = a.after(t), b.after(t)
             assert pa.dtype == "float64" and (pa == pb).all()

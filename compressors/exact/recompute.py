@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import zlib
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,29 +35,12 @@ from kvbench.core.checks import check_range
 from kvbench.core.compressor import Compressor
 from kvbench.core.flops import forward_flops_per_token, prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.next_token import NextTokenModel, torch_threads
 from kvbench.core.resident import Layered, restored
 from kvbench.core.timing import Stopwatch
 
 #: rows handed to the coder per call on the encoder side (memory: CHUNK x vocabulary float64)
 CHUNK = 64
-
-
-class NextTokenModel:
-    """p(. | tokens so far), one token per step on a growing KV cache: the only way a decoder can compute it."""
-
-    def __init__(self, model: Any) -> None:
-        from transformers import DynamicCache
-
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.cache = DynamicCache(config=model.config)
-
-    @torch.no_grad()
-    def after(self, token: int) -> np.ndarray:
-        """Feed one token; return the next token's distribution, ``(V,)`` float64."""
-        ids = torch.tensor([[token]], dtype=torch.long, device=self.device)  # (1, 1)
-        out = self.model(ids, cache=self.cache, use_cache=True)
-        return torch.softmax(out.logits[0, -1].double(), dim=-1).cpu().numpy()  # (V,)
 
 
 def vocab_size(model: Any) -> int:
@@ -67,17 +49,6 @@ def vocab_size(model: Any) -> int:
 
 def _id_bits(vocab: int) -> int:
     return max(1, math.ceil(math.log2(vocab)))
-
-
-@contextmanager
-def intra_op_threads(n: int):
-    """Run the block on ``n`` torch intra-op threads, then restore the process's setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _checksum(tokens: np.ndarray) -> bytes:
@@ -115,8 +86,8 @@ class Recompute(Compressor):
         first = int(tokens[0]) if tokens.size else 0
         nb = _id_bits(V)
         stream, watch = StreamEncoder(), Stopwatch(str(next(model.parameters()).device))
-        lm, rows, ideal = NextTokenModel(model), [], 0.0
-        with watch(), intra_op_threads(self.threads):
+        lm, rows, ideal = self.next_token_model(model), [], 0.0
+        with watch(), torch_threads(lm.threads):
             for t in range(tokens.size - 1):
                 rows.append(lm.after(int(tokens[t])))
                 if len(rows) == CHUNK or t == tokens.size - 2:
@@ -133,6 +104,9 @@ class Recompute(Compressor):
             "tokens": stream.finish(),
             "crc": _checksum(tokens),
         })
+
+    def next_token_model(self, model: Any) -> NextTokenModel:
+        return NextTokenModel(model, self.threads)
 
     def decode_flops_per_token(self, config: Any, n_tokens: int) -> float:
         # a one-token step per id for its probabilities, then the prefill that regenerates the KV
@@ -155,12 +129,13 @@ class Recompute(Compressor):
             raise BitstreamError(f"recompute: sections first ({len(sec['first'])} bytes) and crc "
                                  f"({len(sec['crc'])} bytes) must hold {first_bytes} and 4 bytes")
         tok_watch, prefill_watch = Stopwatch(device), Stopwatch(device)
-        with tok_watch(), intra_op_threads(self.threads):
+        lm = self.next_token_model(model)
+        with tok_watch(), torch_threads(lm.threads):
             if T:
                 tokens[0] = int.from_bytes(sec["first"], "little")
                 if tokens[0] >= V:
                     raise BitstreamError(f"recompute: first token id {tokens[0]} is outside the vocabulary of {V}")
-            stream, lm = StreamDecoder(sec["tokens"]), NextTokenModel(model)
+            stream = StreamDecoder(sec["tokens"])
             for t in range(T - 1):
                 tokens[t + 1] = stream.categorical(1, lm.after(int(tokens[t]))[None])[0]
         if _checksum(tokens) != sec["crc"]:

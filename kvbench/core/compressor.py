@@ -20,6 +20,7 @@ from kvbench.core.kv import Context, KVSequence
 from kvbench.core.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
+    from kvbench.core.next_token import NextTokenModel
     from kvbench.core.resident import Resident
 
 #: a state or bitstream section: ``bytes`` (every bit counts) or ``(bytes, exact_bits)``
@@ -94,6 +95,12 @@ class Compressor(abc.ABC):
         kept = self.always_kept(n_tokens)
         return {"family": self.family, "label": self.label(), "exact_tokens": self.exact_tokens(n_tokens).text(),
                 "always_kept": None if kept is None else kept.text()}
+
+    def next_token_model(self, model: Any) -> NextTokenModel | None:
+        """For a coder whose encoder and decoder run ``model`` one token at a time (it codes ids under the model's
+        next-token distribution): a fresh :class:`~kvbench.core.next_token.NextTokenModel` as the coder steps it,
+        on the coder's threads. None for the others. ``python -m kvbench stepcost`` times it against a plain step."""
+        return None
 
     def decode_flops_per_token(self, config: Any, n_tokens: int) -> float:
         """Model FLOPs the decoder spends per restored token of an ``n_tokens`` sequence (``config``: the model's

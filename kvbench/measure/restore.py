@@ -34,8 +34,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from kvbench.coding.bitstream import Bitstream
 from kvbench.core.codec import Codec, prepare
 from kvbench.core.compressor import Compressor
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.next_token import torch_threads
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, calib_windows
@@ -80,19 +80,6 @@ def check_threads(n: Any) -> int | None:
     if isinstance(n, bool) or not isinstance(n, (int, float)) or int(n) != n or int(n) < 1:
         raise ValueError(f"restore.threads={n!r} must be a whole number of at least 1, or null for torch's default")
     return int(n)
-
-
-@contextmanager
-def torch_threads(n: int | None) -> Iterator[int]:
-    """Run the block on ``n`` torch intra-op threads (None: as the process is set), then restore the setting.
-    Yields the number in use."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
 
 
 def max_positions(model: Any) -> int | None:

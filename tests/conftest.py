@@ -83,17 +83,17 @@ def text_file(tmp_path):
 
 @pytest.fixture()
 def tiny_cfg(tmp_path, text_file, monkeypatch):
-    """A run config for the tiny model on a small local text file."""
+    """A config of ``config_name``'s command (default: run) for the tiny model on a small local text file."""
     from kvbench.core.config import compose
 
     monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
 
-    def make(*overrides: str):
+    def make(*overrides: str, config_name: str = "run"):
         cfg = compose([
             "model=hf", "model.path=unused", "dataset=text", f"dataset.path={text_file}",
             "dataset.seq_len=64", "dataset.eval_len=16", "dataset.n_sequences=2", "dataset.n_calib=1",
             f"paths.results={tmp_path / 'results'}", *overrides,
-        ])
+        ], config_name=config_name)
         OmegaConf.set_struct(cfg, False)
         return cfg
 

@@ -22,7 +22,7 @@ def test_help_lists_every_command_of_the_table_once_in_its_order(capsys):
 
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "usage: python -m kvbench {run,capture,assets,eval,latency,restore,report,bound} ..."
+    assert lines[0] == "usage: python -m kvbench {run,capture,assets,eval,latency,restore,stepcost,report,bound} ..."
     assert [ln.split()[0] for ln in lines[2:]] == list(COMMANDS)
     assert main(["bogus"]) == 2 and "unknown subcommand 'bogus'" in capsys.readouterr().err
 

@@ -2,7 +2,8 @@
 
 Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
 ``python -m kvbench eval``), end-to-end latency (``latency.json``, ``python -m kvbench latency``) and time to first
-token restoring a stored cache (``restore.json``, ``python -m kvbench restore``). A bad or
+token restoring a stored cache (``restore.json``, ``python -m kvbench restore``) and a model-running coder's step
+against a plain decode step (``stepcost.json``, ``python -m kvbench stepcost``). A bad or
 partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
 skipped, never fatal.
 """
@@ -22,6 +23,8 @@ from kvbench.store.results import KINDS, newest_per_cell
 
 # A run dir's summary file names its kind (kvbench.store.results.KINDS): compression cells, task accuracy, latency.
 SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
+# The Collection frame each kind's rows go to; every kind but ``run`` and ``eval`` lists its rows under ``rows``.
+FRAMES = {"run": "table", "eval": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost"}
 # Files that mark a directory as a run, finished or not.
 RUN_FILES = (*SUMMARY_FILES, *(k.table for k in KINDS.values()))
 # Parameters that set a compressor's rate: points along one curve rather than separate curves.
@@ -35,6 +38,15 @@ class Collection:
     evals: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (eval run, task)
     latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
     restore: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (restore run, context, bandwidth)
+    stepcost: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (stepcost run, stage)
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        """Each kind of run (:data:`FRAMES`) and its frame."""
+        return {kind: getattr(self, attr) for kind, attr in FRAMES.items()}
+
+    @property
+    def empty(self) -> bool:
+        return all(f.empty for f in self.frames().values())
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -109,20 +121,18 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
                 found_runs.append({**raw, "_row": row})
     if newest_only:
         found_runs = [r for kind in KINDS for r in newest_per_cell([r for r in found_runs if r["_row"]["kind"] == kind])]
-    rows, evals, latency, restore = [], [], [], []
+    rows: dict[str, list[dict]] = {kind: [] for kind in FRAMES}
     for raw in found_runs:
         row = raw["_row"]
-        if row["kind"] == "eval":
+        kind = row["kind"] if row["kind"] in FRAMES else "run"
+        if kind == "eval":
             tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
-            evals += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
-        elif row["kind"] == "latency":
-            latency += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
-        elif row["kind"] == "restore":
-            restore += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+            rows[kind] += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])
+        elif kind == "run":
+            rows[kind].append(row)
         else:
-            rows.append(row)
-    return Collection(_derive(pd.DataFrame(rows)), skipped, _derive(pd.DataFrame(evals)), _derive(pd.DataFrame(latency)),
-                      _derive(pd.DataFrame(restore)))
+            rows[kind] += _explode(row, raw.get("rows") if isinstance(raw.get("rows"), list) else [])
+    return Collection(skipped=skipped, **{FRAMES[k]: _derive(pd.DataFrame(v)) for k, v in rows.items()})
 
 
 def numeric(df: pd.DataFrame, col: str) -> pd.Series:

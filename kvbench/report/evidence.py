@@ -3,7 +3,7 @@
 Per study, ``<results>/evidence/<study>/`` holds one folder per run, named as its run directory::
 
     <run dir name>/
-        summary.json | eval.json | latency.json | restore.json   the run's summary as written (its config inside)
+        summary.json | eval.json | ... | stepcost.json            the run's summary as written (its config inside)
         config.json                                              only for a summary written without its config
         nll.npz                                                  the per-token paired NLLs, when the run has them
     manifest.json                                                the study: its runs, their code version, how to
@@ -120,8 +120,8 @@ def study_runs(study: str, dirs: Iterable[str | os.PathLike], overrides: Sequenc
     sec = SECTIONS.get(study)
     if sec is not None and sec.presets:
         got = select(got, sec.presets, overrides)
-    frames = (got.table, got.evals, got.latency, got.restore)
-    return sorted({Path(d) for f in frames if "run_dir" in f for d in f["run_dir"]}, key=lambda p: p.name)
+    return sorted({Path(d) for f in got.frames().values() if "run_dir" in f for d in f["run_dir"]},
+                  key=lambda p: p.name)
 
 
 def export(study: str, run_dirs: Iterable[str | os.PathLike], results: str | os.PathLike | None = None,
@@ -180,8 +180,7 @@ class Evidence:
     @property
     def date(self) -> str:
         """When its newest run was measured (YYYY-MM-DD)."""
-        frames = (self.got.table, self.got.evals, self.got.latency, self.got.restore)
-        dates = [str(c)[:10] for f in frames if "created" in f for c in f["created"].dropna()]
+        dates = [str(c)[:10] for f in self.got.frames().values() if "created" in f for c in f["created"].dropna()]
         return max(dates) if dates else "unknown date"
 
 
@@ -197,7 +196,7 @@ def load(study: str, results: str | os.PathLike | None = None) -> Evidence:
     if got.skipped:
         raise ValueError(f"evidence of {study!r} holds unreadable runs: "
                          + "; ".join(f"{p}: {why}" for p, why in got.skipped))
-    for f in (got.table, got.evals, got.latency, got.restore):
+    for f in got.frames().values():
         if "run_dir" in f:  # where it is in any checkout, so that what is built from it is the same everywhere
             f["run_dir"] = [f"{FOLDER}/{study}/{run}" for run in f["run_id"]]
     found = {d: _summaries(d) for d in sorted(p for p in path.iterdir() if p.is_dir())}

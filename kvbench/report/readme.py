@@ -200,8 +200,8 @@ def ruler_pooled(ruler: list[Table]) -> pd.DataFrame:
 
 
 def _run_count(got: Collection) -> int:
-    return len(got.table) + sum(f["run_id"].nunique() for f in (got.evals, got.latency, got.restore)
-                                if "run_id" in f)
+    return len(got.table) + sum(f["run_id"].nunique() for kind, f in got.frames().items()
+                                if kind != "run" and "run_id" in f)
 
 
 def render(runs: Path, report: Path, out: Path, wall_min: float | None = None, overrides: Sequence[str] = (),

@@ -10,8 +10,8 @@ summary or config fields, and names a field and, optionally, a format::
     {{ frontier: model=gemma3_270m * | nll_base .4f }}
 
 ``STUDY/TABLE`` reads one of the report's tables of the study's runs: ``runs`` (the default; one row per run),
-``evals`` (per eval run and task), ``latency`` (per latency run, context and cache) or ``restore`` (per restore run,
-context and link bandwidth). A selector ``KEY=VALUE`` (quoted with ``"..."`` when it holds spaces) matches a column
+``evals`` (per eval run and task), ``latency`` (per latency run, context and cache), ``restore`` (per restore run,
+context and link bandwidth) or ``stepcost`` (per stepcost run and stage). A selector ``KEY=VALUE`` (quoted with ``"..."`` when it holds spaces) matches a column
 of that table: the summary's key (nested keys joined with dots), else the run config's (``cfg.KEY``), else, for
 ``compressor.X``, the compressor's full hyperparameters (``compressor_params.X``); numbers compare as numbers. A
 reference that selects no row, or several, is an error that names them; ``*`` accepts several rows that agree on the
@@ -44,7 +44,7 @@ from kvbench.report.tables import CATALOGUE, format_value
 
 REFERENCE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _FENCE_OR_CODE = re.compile(r"^```.*?^```|`[^`\n]+`", re.S | re.M)
-TABLES = {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore"}
+TABLES = {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost"}
 INTERVAL_FORMAT = "+.4f"
 
 

@@ -171,6 +171,12 @@ CATALOGUE = {c.key: c for c in (
     _col("crossover_prefill_spread", "prefill crossover, rounds' range"),
     _col("encode_s", "encode s", ".4f"),
     _col("first_token_matches_prefill", "first token = prefill's"),
+    # a model-running coder's stages against a plain cached decode step (stepcost.json, one row per stage)
+    _col("stage", "stage"),
+    _col("s_per_token", "s/token", ".4g"),
+    _col("coded_tokens", "coded tokens", ",.0f"),
+    _col("over_step", "x plain decode step", ".3f", r"$\times$ plain decode step"),
+    _col("torch_threads", "threads", "d"),
     # distance to the bound (results/README.md)
     _col("which", "decoder"),
     _col("windows_text", "windows x tokens"),
@@ -200,6 +206,8 @@ RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bandwidth_gb
                        "crossover_prefill_gbps")
 EVAL_COLUMNS = pick("model", "compressor", "params", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
                     "stderr_diff", "mcnemar_p")
+STEPCOST_COLUMNS = pick("model", "compressor", "params", "torch_threads", "coded_tokens", "stage", "s_per_token",
+                        "over_step")
 LATENCY_COLUMNS = pick("model", "compressor", "params", "context", "cache", "prefill_s", "compress_s",
                        "decode_median_ms", "decode_p95_ms", "tokens_per_s", "bytes_held")
 

@@ -52,7 +52,7 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
 
     for sec in chosen:
         part = select(got, sec.presets, overrides) if sec.presets else got
-        if part.table.empty and part.evals.empty and part.latency.empty and part.restore.empty:  # keep what an earlier report wrote
+        if part.empty:  # keep what an earlier report wrote
             without_runs.append(sec.name)
             continue
         tables, figs = sec.build(part)
@@ -81,7 +81,7 @@ def write_report(dirs: Iterable[str | Path], out: Path, formats: tuple[str, ...]
         elif (out / "skipped.txt").exists():
             (out / "skipped.txt").unlink()
     return {"rows": len(got.table), "evals": len(got.evals), "latency": len(got.latency), "restore": len(got.restore),
-            "written": written,
+            "stepcost": len(got.stepcost), "written": written,
             "skipped": got.skipped, "figures": figures, "empty": empty, "without_runs": without_runs,
             "markdown": markdowns}
 

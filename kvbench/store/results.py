@@ -1,13 +1,13 @@
 """The results layer: which finished run is this cell, reuse it or measure it, and write it atomically.
 
-Every command that measures (``run``, ``eval``, ``latency``, ``restore``) writes one directory per run under
+Every command that measures (``run``, ``eval``, ``latency``, ``restore``, ``stepcost``) writes one directory per run under
 ``<results root>/runs/``::
 
     <prefix><compressor>-<cell_key>-<code version>/
-        <kind file>        summary.json | eval.json | latency.json | restore.json: the measurements, plus
+        <kind file>        summary.json | eval.json | latency.json | restore.json | stepcost.json: the measurements, plus
                            ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config``, so that one file describes
                            its run
-        <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet
+        <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet | stepcost.parquet
         config.json        the resolved config
         nll.npz            for a run that scores held-out tokens: per scored window the base and compressed
                            per-token NLLs, float32 (:func:`read_nll`), what its delta-NLL interval resamples
@@ -58,6 +58,7 @@ KINDS = {
     "eval": Kind("eval", "eval-", "eval.json", "eval.parquet"),
     "latency": Kind("latency", "latency-", "latency.json", "latency.parquet"),
     "restore": Kind("restore", "restore-", "restore.json", "restore.parquet"),
+    "stepcost": Kind("stepcost", "stepcost-", "stepcost.json", "stepcost.parquet"),
 }
 
 #: top-level config nodes that say where results go or whether to reuse them, not what is measured

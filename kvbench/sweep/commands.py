@@ -41,10 +41,13 @@ COMMANDS = {c.name: c for c in (
     Command("restore", "time to first token restoring a stored cache vs link bandwidth, 16-bit KV, prefill",
             config="restore", measure="kvbench.measure.restore:measure_restore",
             format="kvbench.measure.restore:format_restore", kind=KINDS["restore"]),
+    Command("stepcost", "where a model-running coder's seconds go, against a plain cached decode step", config="stepcost",
+            measure="kvbench.measure.stepcost:measure_stepcost", format="kvbench.measure.stepcost:format_stepcost",
+            kind=KINDS["stepcost"]),
     Command("report", "tables and paper figures from every summary.json under DIR...", main="kvbench.report.build:main"),
     Command("bound", "the entropy bound vs per-vector arithmetic and every measured run", main="kvbench.report.bound:main"),
 )}
-#: the commands that measure one cell and file it as a run (run, eval, latency, restore)
+#: the commands that measure one cell and file it as a run (run, eval, latency, restore, stepcost)
 MEASURING = {name: c for name, c in COMMANDS.items() if c.measure is not None}
 
 

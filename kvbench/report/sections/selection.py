@@ -13,7 +13,7 @@ from dataclasses import replace
 import pandas as pd
 
 from kvbench.core.config import available
-from kvbench.report.collect import Collection
+from kvbench.report.collect import FRAMES, Collection
 from kvbench.sweep.presets import Preset, cell_keys, fitting, other_models
 
 
@@ -23,8 +23,8 @@ def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] 
     Unless the overrides name a model, a preset's cells run on any packaged model (``model=NAME``, as the drivers
     take it) are its cells too."""
     where: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, cell_key) -> (order, preset)
-    frames = (got.table, got.evals, got.latency, got.restore)
-    models = sorted({str(m) for f in frames if "model" in f for m in f["model"].dropna()} & set(available("model")))
+    models = sorted({str(m) for f in got.frames().values() if "model" in f for m in f["model"].dropna()}
+                    & set(available("model")))
     for preset in presets:  # a preset the overrides do not apply to has no cells here
         variants = [list(overrides)]
         if not any(o.startswith("model=") for o in overrides):
@@ -41,5 +41,4 @@ def select(got: Collection, presets: Sequence[Preset], overrides: Sequence[str] 
         out = df[keep].assign(_cell=[f[0] for f in found if f], preset=[f[1] for f in found if f])
         return out.sort_values("_cell", kind="stable").drop(columns="_cell").reset_index(drop=True)
 
-    return replace(got, table=pick_rows(got.table, "run"), evals=pick_rows(got.evals, "eval"),
-                   latency=pick_rows(got.latency, "latency"), restore=pick_rows(got.restore, "restore"))
+    return replace(got, **{FRAMES[kind]: pick_rows(df, kind) for kind, df in got.frames().items()})

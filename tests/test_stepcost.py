@@ -15,7 +15,7 @@ from kvbench.sweep.cells import run_cell
 
 @pytest.fixture()
 def stepcost_cfg(tiny_cfg):
-    return lambda *overrides: tiny_cfg("stepcost.tokens=24", "stepcost.repeats=1", *overrides, config_name="stepcost")
+    return lambda *overrides: tiny_cfg("stepcost.tokens=24", "stepcost.repeats=2", *overrides, config_name="stepcost")
 
 
 def test_every_stage_is_timed_against_the_plain_step_and_the_ids_decode_exactly(stepcost_cfg, tiny_handle, tmp_path,
@@ -36,7 +36,8 @@ def test_every_stage_is_timed_against_the_plain_step_and_the_ids_decode_exactly(
     for r in s["rows"]:
         assert math.isfinite(r["s_per_token"]) and r["s_per_token"] > 0, r
         assert r["over_step"] == pytest.approx(r["s_per_token"] / s["step_s_per_token"])
-        assert len(r["passes_s_per_token"]) == (0 if r["stage"] == "decode_prefill" else 1)
+        assert len(r["passes_s_per_token"]) == 2
+    assert s["decode_prefill_s_per_token"] < s["decode_s_per_token"]
     assert s["row_over_step"] == pytest.approx(s["row_s_per_token"] / s["step_s_per_token"])
     assert "decode_prefill" in format_stepcost(s)
 
@@ -76,3 +77,16 @@ def test_the_coders_step_is_the_plain_step_and_a_softmax(tiny_model):
         logits, probs = a.step(t), b.after(t)  # (V,), (V,) float64
         assert probs.dtype == "float64" and probs.sum() == pytest.approx(1.0)
         assert (torch.softmax(logits.double(), -1).numpy() == probs).all()
+
+
+def test_rounds_time_every_stage_in_each_round_in_a_seeded_order():
+    from kvbench.measure.stepcost import rounds
+
+    calls: list[str] = []
+    got = rounds({k: (lambda k=k: calls.append(k)) for k in "abcd"}, n=4, repeats=3, seed=7)
+    assert sorted(got) == list("abcd") and all(len(v) == 3 and min(v) >= 0 for v in got.values())
+    assert calls[:4] == list("abcd")  # the warm-up round, then three shuffled rounds of every stage
+    assert all(sorted(calls[i:i + 4]) == list("abcd") for i in (4, 8, 12)) and len(calls) == 16
+    again: list[str] = []
+    rounds({k: (lambda k=k: again.append(k)) for k in "abcd"}, n=4, repeats=3, seed=7)
+    assert again == calls

@@ -13,11 +13,11 @@ the first ``stepcost.tokens`` ids of one scored window of the run's trace, on th
 - ``row``: the coder's step, the same call plus the float64 softmax of the logits and their copy to NumPy;
 - ``code``: range coding of those rows, encode and decode together;
 - ``encode`` / ``decode``: the coder's whole encode and decode of the window; ``decode`` includes the batched prefill
-  that regenerates the KV from the decoded ids (``decode_prefill``: the coder's ``decode_prefill_s`` stat, where it
-  reports one).
+  that regenerates the KV from the decoded ids (``decode_prefill``: that part, from the coder's ``decode_prefill_s``
+  stat of the same decode calls, where it reports one).
 
-Each stage's seconds per coded token are the median of ``stepcost.repeats`` passes after a warm-up pass; every row
-carries its ratio to ``step``. A ``row`` near 1 says the model step is the cost, not the harness around it. The
+Each stage's seconds per coded token are the median of ``stepcost.repeats`` rounds after a warm-up round, the stages
+in a seeded random order within each round (:func:`rounds`); every row carries its ratio to ``step``. A ``row`` near 1 says the model step is the cost, not the harness around it. The
 decoded ids are checked against the window's (``exact``).
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -51,16 +52,20 @@ STAGES = {
     "decode_prefill": "the batched prefill inside decode that regenerates the KV from the ids",
 }
 
-def median_per_token(fn: Callable[[], Any], n: int, repeats: int) -> tuple[float, list[float]]:
-    """``(median, every pass)`` seconds per token of ``fn()``, which handles ``n`` tokens, over ``repeats`` passes
-    after one warm-up pass."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def rounds(stages: dict[str, Callable[[], None]], n: int, repeats: int, seed: int) -> dict[str, list[float]]:
+    """Seconds per token of each stage (``stages[name]()`` handles ``n`` tokens) in each of ``repeats`` rounds, after
+    a warm-up round. Within a round the stages run in a seeded random order, so that a drift of the machine's speed
+    falls on every stage alike."""
+    for fn in stages.values():
         fn()
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times), times
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(repeats):
+        for k in rng.sample(list(stages), len(stages)):
+            t0 = time.perf_counter()
+            stages[k]()
+            out[k].append((time.perf_counter() - t0) / n)
+    return out
 
 
 def check_settings(node: Any) -> tuple[int, int, int]:
@@ -113,28 +118,21 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
     ctx = Context.for_kv(kv, handle)
     stream = compressor.encode(kv, ctx)
     decoded = compressor.decode(stream, ctx)
-    prefill_before = compressor.stats().get("decode_prefill_s", math.nan)
-    load_start = os.getloadavg()
-    timed: dict[str, tuple[float, list[float]]] = {}
-    with torch_threads(threads) as threads:
-        timed["step"] = median_per_token(steps(False), n, repeats)
-        timed["row"] = median_per_token(steps(True), n, repeats)
-    timed["code"] = median_per_token(code, n, repeats)
-    timed["encode"] = median_per_token(lambda: compressor.encode(kv, ctx), n, repeats)
-    calls = 0
+    prefills: list[float] = []  # per decode call, the seconds of its regenerating prefill (the coder's stat)
 
     def decode() -> None:
-        nonlocal calls
+        before = compressor.stats().get("decode_prefill_s", math.nan)
         compressor.decode(stream, ctx)
-        calls += 1
+        prefills.append((compressor.stats().get("decode_prefill_s", math.nan) - before) / n)
 
-    timed["decode"] = median_per_token(decode, n, repeats)
-    prefill = (compressor.stats().get("decode_prefill_s", math.nan) - prefill_before) / calls / n  # mean over passes
-    step = timed["step"][0]
-    rows = [{"stage": k, "s_per_token": v[0], "over_step": v[0] / step, "passes_s_per_token": v[1], "what": STAGES[k]}
-            for k, v in timed.items()]
-    rows.append({"stage": "decode_prefill", "s_per_token": prefill, "over_step": prefill / step,
-                 "passes_s_per_token": [], "what": STAGES["decode_prefill"]})
+    load_start = os.getloadavg()
+    with torch_threads(threads) as threads:
+        passes = rounds({"step": steps(False), "row": steps(True), "code": code,
+                         "encode": lambda: compressor.encode(kv, ctx), "decode": decode}, n, repeats, int(cfg.seed))
+    passes["decode_prefill"] = prefills[1:]  # the warm-up round's left out, as for every stage
+    step = statistics.median(passes["step"])
+    rows = [{"stage": k, "s_per_token": statistics.median(passes[k]), "over_step": statistics.median(passes[k]) / step,
+             "passes_s_per_token": passes[k], "what": what} for k, what in STAGES.items()]
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,

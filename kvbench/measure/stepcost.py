@@ -17,7 +17,8 @@ the first ``stepcost.tokens`` ids of one scored window of the run's trace, on th
   stat of the same decode calls, where it reports one).
 
 Each stage's seconds per coded token are the median of ``stepcost.repeats`` rounds after a warm-up round, the stages
-in a seeded random order within each round (:func:`rounds`); every row carries its ratio to ``step``. A ``row`` near 1 says the model step is the cost, not the harness around it. The
+in a seeded random order within each round (:func:`rounds`); every row carries the rounds' lowest and highest value
+and its ratio to ``step``. A ``row`` near 1 says the model step is the cost, not the harness around it. The
 decoded ids are checked against the window's (``exact``).
 """
 
@@ -132,7 +133,8 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
     passes["decode_prefill"] = prefills[1:]  # the warm-up round's left out, as for every stage
     step = statistics.median(passes["step"])
     rows = [{"stage": k, "s_per_token": statistics.median(passes[k]), "over_step": statistics.median(passes[k]) / step,
-             "passes_s_per_token": passes[k], "what": what} for k, what in STAGES.items()]
+             "s_per_token_lo": min(passes[k]), "s_per_token_hi": max(passes[k]), "passes_s_per_token": passes[k],
+             "what": what} for k, what in STAGES.items()]
     summary = {
         "compressor": compressor.name,
         "model": cfg.model.name,
@@ -159,12 +161,13 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
 
 
 def format_stepcost(s: dict) -> str:
-    """One line per stage: milliseconds per coded token and the ratio to the plain decode step."""
+    """One line per stage: milliseconds per coded token, the rounds' range, and the ratio to the plain decode step."""
     load = s.get("loadavg_1m", [float("nan")] * 2)
     lines = [f"  stepcost {s['compressor']} on {s['model']} / {s['dataset']}: {s['coded_tokens']} coded tokens of "
              f"window {s['window']}, {s['torch_threads']} thread(s), model {s['model_dtype']}, median of "
              f"{s['repeats']}, load {load[0]:.1f} -> {load[1]:.1f}; decoded ids exact: {s['ids_exact']}"]
     for r in s["rows"]:
         ratio = "" if r["stage"] == "step" else f"  {r['over_step']:6.3f}x step"
-        lines.append(f"  {r['stage']:15s} {1e3 * r['s_per_token']:9.3f} ms/token{ratio}   {r['what']}")
+        spread = f"[{1e3 * r['s_per_token_lo']:.3f}, {1e3 * r['s_per_token_hi']:.3f}]"
+        lines.append(f"  {r['stage']:15s} {1e3 * r['s_per_token']:9.3f} ms/token {spread:>19s}{ratio}   {r['what']}")
     return "\n".join(lines)

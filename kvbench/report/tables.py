@@ -175,6 +175,9 @@ CATALOGUE = {c.key: c for c in (
     _col("stage", "stage"),
     _col("s_per_token", "s/token", ".4g"),
     _col("coded_tokens", "coded tokens", ",.0f"),
+    _col("s_per_token_lo", "lowest round", ".4g"),
+    _col("s_per_token_hi", "highest round", ".4g"),
+    _col("what", "what it times"),
     _col("over_step", "x plain decode step", ".3f", r"$\times$ plain decode step"),
     _col("torch_threads", "threads", "d"),
     # distance to the bound (results/README.md)

@@ -1,6 +1,6 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
-(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults`` and ``decode`` show every run
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode`` and ``stepcost`` show every run
 under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
@@ -20,6 +20,7 @@ from kvbench.report.sections.ruler_section import ruler_study
 from kvbench.report.sections.section_types import Figures, Section, Table
 from kvbench.report.sections.selection import select
 from kvbench.report.sections.sequential_section import sequential
+from kvbench.report.sections.stepcost_section import stepcost
 from kvbench.sweep.studies_config import Study, studies
 
 __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
@@ -28,9 +29,10 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 #: section name -> the function that builds its tables and figures, in the report's order
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
-            "eviction": eviction, "dev_split": dev_split, "defaults": defaults, "decode": decode}
+            "eviction": eviction, "dev_split": dev_split, "defaults": defaults, "decode": decode,
+            "stepcost": stepcost}
 #: sections with no study: they show every run under the report's dirs
-ALL_RUNS = ("overview", "defaults", "decode")
+ALL_RUNS = ("overview", "defaults", "decode", "stepcost")
 
 
 def _registry() -> dict[str, Section]:

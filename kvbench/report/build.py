@@ -15,10 +15,10 @@ Tables and figures, one set per section (``kvbench.report.sections``), go into `
   eval.md/.tex                  task accuracy per eval run and task (from eval.json, `python -m kvbench eval`)
   latency.md/.tex               per latency run, context and cache (from latency.json, `python -m kvbench latency`)
   restore.md/.tex               per restore run, context and link bandwidth (from restore.json, `python -m kvbench restore`)
-  stepcost.md/.tex              per stepcost run and stage (from stepcost.json, `python -m kvbench stepcost`)
   figures/*.png, figures/*.pdf  see ``kvbench.report.figures``
   skipped.txt                   run dirs that were not read, and why (only when there are any)
-and a study section NAME its tables in NAME.md/.tex (NAME.csv: the rows behind them) and its figures in figures/.
+(stepcost runs, from ``python -m kvbench stepcost``, are the section ``stepcost``'s) and a study section NAME its
+tables in NAME.md/.tex (NAME.csv: the rows behind them) and its figures in figures/.
 Writing them is :mod:`kvbench.report.writing`.
 
 ``--export-evidence`` copies a study's runs (the newest of each of its cells under the RUN_DIRs, default

@@ -209,8 +209,6 @@ RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bandwidth_gb
                        "crossover_prefill_gbps")
 EVAL_COLUMNS = pick("model", "compressor", "params", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
                     "stderr_diff", "mcnemar_p")
-STEPCOST_COLUMNS = pick("model", "compressor", "params", "torch_threads", "coded_tokens", "stage", "s_per_token",
-                        "over_step")
 LATENCY_COLUMNS = pick("model", "compressor", "params", "context", "cache", "prefill_s", "compress_s",
                        "decode_median_ms", "decode_p95_ms", "tokens_per_s", "bytes_held")
 

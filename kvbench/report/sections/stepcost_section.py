@@ -19,5 +19,5 @@ def stepcost(got: Collection) -> tuple[list[Table], Figures]:
     d = got.stepcost
     if not d.empty:
         d = d.sort_values(["model", "run_id"], kind="stable")
-    return [Table("stages", d, STAGE_COLUMNS, "a model-running coder's stages against a plain decode step", NOTE,
+    return [Table("stepcost", d, STAGE_COLUMNS, "a model-running coder's stages against a plain decode step", NOTE,
                   empty="_no stepcost runs_\n", csv=True)], {}

@@ -92,3 +92,13 @@ def test_rounds_time_every_stage_in_each_round_in_a_seeded_order():
     again: list[str] = []
     rounds({k: (lambda k=k: again.append(k)) for k in "abcd"}, n=4, repeats=3, seed=7)
     assert again == calls
+
+
+def test_every_kind_of_run_has_its_frame_and_reference_table():
+    from kvbench.report.collect import FRAMES
+    from kvbench.report.refs import TABLES
+    from kvbench.store.results import KINDS
+
+    assert set(FRAMES) == set(KINDS)
+    assert TABLES == {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore",
+                      "stepcost": "stepcost"}

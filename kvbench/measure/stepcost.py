@@ -19,7 +19,7 @@ the first ``stepcost.tokens`` ids of one scored window of the run's trace, on th
 Each stage's seconds per coded token are the median of ``stepcost.repeats`` rounds after a warm-up round, the stages
 in a seeded random order within each round (:func:`rounds`); every row carries the rounds' lowest and highest value
 and its ratio to ``step``. A ``row`` near 1 says the model step is the cost, not the harness around it. The
-decoded ids are checked against the window's (``exact``).
+decoded ids are checked against the window's (``ids_exact``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ STAGES = {
     "decode_prefill": "the batched prefill inside decode that regenerates the KV from the ids",
 }
 
+
 def rounds(stages: dict[str, Callable[[], None]], n: int, repeats: int, seed: int) -> dict[str, list[float]]:
     """Seconds per token of each stage (``stages[name]()`` handles ``n`` tokens) in each of ``repeats`` rounds, after
     a warm-up round. Within a round the stages run in a seeded random order, so that a drift of the machine's speed
@@ -85,7 +86,8 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
     tokens, repeats, window = check_settings(cfg.stepcost)
     handle = handle or ModelHandle(cfg.model, cfg.device)
     model = handle.model
-    if compressor.next_token_model(model) is None:
+    lm = compressor.next_token_model(model)  # its first use computes the rows the code stage codes
+    if lm is None:
         raise ValueError(f"stepcost times coders that run the model one token at a time to code token ids; "
                          f"{compressor.name!r} does not (its next_token_model() is None)")
     trace = load_or_capture(cfg, handle)
@@ -93,12 +95,11 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
         raise ValueError(f"stepcost.window={window} is past the trace's {len(trace.eval)} scored windows")
     full = trace.eval[window].kv
     kv = full.slice_tokens(0, min(tokens, full.n_tokens))
-    threads = compressor.next_token_model(model).threads
+    threads = lm.threads
     ids = kv.tokens.reshape(-1).to(torch.int64).numpy()  # (n + 1,)
     n = int(ids.size) - 1  # the steps that yield a coded row
 
     def steps(with_row: bool) -> Callable[[], None]:
-        @torch.no_grad()
         def run() -> None:
             lm = compressor.next_token_model(model)
             step = lm.after if with_row else lm.step
@@ -107,7 +108,6 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
         return run
 
     with torch_threads(threads):
-        lm = compressor.next_token_model(model)
         probs = np.stack([lm.after(int(t)) for t in ids[:-1]])  # (n, V) float64
     symbols = ids[1:]
 

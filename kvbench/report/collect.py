@@ -124,7 +124,7 @@ def collect(dirs: Iterable[str | Path], newest_only: bool = True) -> Collection:
     rows: dict[str, list[dict]] = {kind: [] for kind in FRAMES}
     for raw in found_runs:
         row = raw["_row"]
-        kind = row["kind"] if row["kind"] in FRAMES else "run"
+        kind = row["kind"]  # a kind of KINDS, each with its frame in FRAMES
         if kind == "eval":
             tasks = raw.get("tasks") if isinstance(raw.get("tasks"), dict) else {}
             rows[kind] += _explode(row, [{"task": t, **v} for t, v in tasks.items() if isinstance(v, dict)])

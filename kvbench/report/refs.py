@@ -39,12 +39,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvbench.report.collect import Collection, plain
+from kvbench.report.collect import FRAMES, Collection, plain
 from kvbench.report.tables import CATALOGUE, format_value
 
 REFERENCE = re.compile(r"\{\{(.*?)\}\}", re.S)
 _FENCE_OR_CODE = re.compile(r"^```.*?^```|`[^`\n]+`", re.S | re.M)
-TABLES = {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost"}
+#: a reference's table name -> the Collection frame it reads: ``runs`` for compression cells, else the frame's own name
+TABLES = {("runs" if kind == "run" else frame): frame for kind, frame in FRAMES.items()}
 INTERVAL_FORMAT = "+.4f"
 
 

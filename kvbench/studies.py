@@ -28,13 +28,12 @@ import sys
 from kvbench.report.evidence import MixedCodeVersions, export, load, study_runs
 from kvbench.report.pages import build, registry
 from kvbench.report.sections import section
-from kvbench.report.writing import put_block, write_report
+from kvbench.report.writing import write_report
 from kvbench.store.atomic import write_with
 from kvbench.store.paths import results_root
 from kvbench.sweep.presets import Cell, cells, run_in_process, run_isolated
 
 #: what a findings file's generated block says of itself
-WHY = "report section {name}: regenerated from its runs by its driver in scripts/; edits here are overwritten"
 
 
 def matching(todo: list[Cell], patterns: list[str]) -> list[Cell]:
@@ -90,7 +89,10 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     if not args.no_run:
         todo.sort(key=lambda c: any(f"+compressor={s}" in c.overrides for s in slow))  # stable: the rest keep order
         failed = run_isolated(todo, lock) if isolate else run_in_process(todo, args.force, lock)
-    out = base / "report"
+    page = registry(base).get(findings) if findings else None
+    # results/report/ holds only what --pages rebuilds and --check compares (a page's report, written by build):
+    # the section's own tables go beside the study's runs, git-ignored
+    out = base / "sweeps" / name / "report"
     runs = study_runs(name, [root / "runs"], overrides)
     if not runs:
         print(f"no finished run of any {name} cell under {root / 'runs'}", file=sys.stderr)
@@ -106,7 +108,6 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
         print(f"== {out / stem}.md\n{text}")
     for fig, why in res["empty"].items():
         print(f"figure {fig}: nothing to plot ({why})", file=sys.stderr)
-    page = registry(base).get(findings) if findings else None
     if page is not None:  # evidence-backed: the whole page from its source and the evidence
         built = build(page, base, formats=("png", "pdf"))
         for err in built.errors + [f"{page.source}:{ln}: {w!r} typed by hand, not a reference" for ln, w in built.literals]:
@@ -116,10 +117,9 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
         text = built.text
         write_with(base / findings, lambda p: p.write_text(text))
         print(f"-> {base / findings}")
-    elif findings:
-        md = base / findings
-        put_block(md, name, res["markdown"][name], WHY.format(name=name))
-        print(f"-> {md}")
+    else:  # a page is published only when rebuilt from committed evidence (report --check compares it)
+        print(f"no page is written: a study's page is published once registered with its evidence "
+              f"(python -m kvbench report --register PAGE --study {name}); the section's tables are in {out}")
     if failed:
         print(f"{len(failed)} cell(s) failed:\n" + "\n".join(c.command for c in failed), file=sys.stderr)
     return 1 if failed or (page is not None and built.literals) else 0

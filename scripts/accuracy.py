@@ -3,9 +3,9 @@
     .venv/bin/python scripts/accuracy.py [--no-run] [--force] [OVERRIDE ...]
 
 Runs the eval cells of configs/experiment/matched_bits*.yaml that have no finished run (in one process on one
-loaded model, without the lock: nothing in it is timed for publication), then writes the report section accuracy
-(results/report/accuracy.{md,tex,csv}, results/report/figures/accuracy.{png,pdf}) and its table into
-results/bigbench.md between its markers.
+loaded model, without the lock: nothing in it is timed for publication), then exports its evidence and writes the report section
+accuracy under results/sweeps/accuracy/report/. Its BIG-bench tasks need a local copy of BIG-bench's task files
+(the registry no longer serves the bigbench 1.0.0 sdist); no page is published from it.
 """
 
 import sys

@@ -5,9 +5,9 @@ quantizers of the frontier presets as the reference at similar stored bits.
     .venv/bin/python scripts/eviction.py [--no-run] [--force] [OVERRIDE ...]
 
 Runs the cells of configs/experiment/eviction{,_inner}.yaml and frontier_{kivi,turboquant}.yaml that have no
-finished run (in one process, each measured cell under the benchmark lock; runs under results/runs), then writes the
-report section eviction (results/report/eviction.{md,tex,csv}, results/report/figures/eviction_<model>.{png,pdf})
-and its tables into results/eviction.md between its markers (the findings around them are kept).
+finished run (in one process, each measured cell under the benchmark lock; runs under results/runs), then exports its
+evidence and writes the report section eviction under results/sweeps/eviction/report/ (no page: results/README.md's
+section 3 shows the reproduce study's eviction cells).
 """
 
 import sys

@@ -6,8 +6,8 @@
 Runs every latency cell of configs/experiment/matched_bits*.yaml, latency_lossless.yaml and latency_model.yaml
 (the compressors whose decoder re-runs the model: a short context, few tokens), each as its own `python -m kvbench
 latency` process (the peak-memory column is the whole process's, which earlier cells would inflate) under the
-benchmark lock. Then writes the report section end_to_end (results/report/end_to_end.{md,tex,csv},
-results/report/figures/end_to_end.{png,pdf}) and its table into results/latency.md between its markers.
+benchmark lock. Then publishes the runs as the study's evidence and rebuilds results/latency.md from its source and that
+evidence (results/report/latency/); the section's own tables go to results/sweeps/end_to_end/report/.
 """
 
 import sys

@@ -4,9 +4,9 @@ at whole bits, with its 128-token 16-bit window and without.
     .venv/bin/python scripts/per_vector.py [--no-run] [--force] [OVERRIDE ...]
 
 Runs the cells of configs/experiment/per_vector_{turboquant,kivi}.yaml that have no finished run (in one process,
-each measured cell under the benchmark lock; runs under results/runs), then writes the report section per_vector
-(results/report/per_vector.{md,tex,csv}, results/report/figures/per_vector.{png,pdf}) and its table into
-results/per_vector.md between its markers (the findings around them are kept).
+each measured cell under the benchmark lock; runs under results/runs), then exports its evidence and writes the
+report section per_vector under results/sweeps/per_vector/report/ (no page: results/README.md shows the reproduce
+study's per-vector cells).
 """
 
 import sys

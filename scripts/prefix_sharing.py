@@ -5,8 +5,8 @@ probabilistic language trie), and dedup composed with per-vector and sequential 
 
 Runs the cells of configs/experiment/prefix_sharing_*.yaml that have no finished run (in one process, each measured
 cell under the benchmark lock; runs under results/runs; a failing cell is reported and the others still run), then
-writes the report section prefix_sharing: results/report/prefix_sharing.{md,tex} (the tables behind
-results/prefix_sharing.md) and results/report/figures/prefix_sharing_{ratio,budget,composition}.{png,pdf}.
+exports its evidence and writes the report section prefix_sharing under results/sweeps/prefix_sharing/report/ (no
+page: results/README.md's section 5 shows the reproduce study's sharing cells).
 """
 
 import sys

@@ -39,10 +39,10 @@ LOCK=${LOCK:-/tmp/kvbench-bench.lock}
 HOME_DIR=${KVBENCH_HOME:-$HOME/.cache/kvbench}
 RESULTS=${RESULTS:-results}  # committed findings live in results/; results/runs and results/sweeps are ignored
 SWEEPS=$RESULTS/sweeps/reproduce
-LOG=$RESULTS/reproduce.log
+LOG=$RESULTS/sweeps/reproduce.log  # git-ignored: a page cites only its evidence
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-mkdir -p "$RESULTS"
+mkdir -p "$RESULTS" "$(dirname "$LOG")"
 : > "$LOG"
 FAILED=$(mktemp)
 log() { echo "$*" | tee -a "$LOG"; }

@@ -3,8 +3,8 @@
     .venv/bin/python scripts/ruler.py [--no-run] [--force] [OVERRIDE ...]
 
 Runs the eval cells of configs/experiment/ruler*.yaml that have no finished run (in one process on one loaded model;
-nothing in it is timed for publication), then writes the report section ruler (results/report/ruler.{md,tex,csv},
-results/report/figures/ruler_<model>.{png,pdf}) and its tables into results/accuracy.md between its markers.
+nothing in it is timed for publication), then publishes the runs as the study's evidence and rebuilds results/accuracy.md from its source and
+that evidence (results/report/ruler/); the section's own tables go to results/sweeps/ruler/report/.
 For the second model: ``model=gemma3_270m``.
 """
 

@@ -5,9 +5,9 @@ entropy bound, and what each costs in time.
 
 Runs the cells of configs/experiment/sequential*.yaml that have no finished run, single-threaded and each under the
 benchmark lock (timed alike on a shared machine), the model-running coders (recompute, speculative: minutes per
-window) last, with their runs under results/sweeps/sequential/runs (git-ignored). Then writes the report section
-sequential: results/report/sequential.{md,tex} (the tables quoted in results/sequential.md) and
-results/report/figures/sequential.{png,pdf}. The ideal -log2 p columns are the coders' own model estimates
+window) last, with their runs under results/sweeps/sequential/runs (git-ignored). Then exports its evidence and writes the report
+section sequential under results/sweeps/sequential/report/ (no page: results/README.md shows the reproduce study's
+sequential cells). The ideal -log2 p columns are the coders' own model estimates
 (compressor_stats); the rate itself is always the harness's count of the bitstream.
 """
 

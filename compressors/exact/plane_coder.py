@@ -23,7 +23,7 @@ RAW = len(GROUPINGS)
 
 #: histogram precision: a count c > 0 is sent as level 1 + round(2 log2 c), i.e. within 2^(1/4) = 19% of itself.
 #: Coarse on purpose: on SmolLM2 traces 2 levels per doubling beat 1, 3, 4, 6 and 8 (finer histograms cost more
-#: side information than the better fit saves; see results/lossless_recompute.md)
+#: side information than the better fit saves; scripts/byte_planes.py measures it)
 LEVELS_PER_OCTAVE = 2
 #: 2^(j/2) rounded to 1/64: exact in float64, so encoder and decoder build bit-identical probability rows
 _MANTISSAS = np.array([64, 91], dtype=np.float64) / 64

@@ -9,7 +9,8 @@ A study's fields:
 - ``command``: the measuring command its presets run under (``python -m kvbench COMMAND -m +experiment=PRESET``);
 - ``presets``: the presets in ``configs/experiment/``, in the order their cells run and the section lists them;
 - ``borrowed``: those of ``presets`` that another study owns (every preset is owned by exactly one study);
-- ``findings``: the page under the results root its driver writes (``accuracy.md``: results/accuracy.md), or null;
+- ``findings``: the evidence-backed page under the results root its driver rebuilds (``accuracy.md``: results/accuracy.md), or
+  null: a study without a page of its own (a page is published only when rebuilt from committed evidence);
 - ``driver``: the options of :func:`kvbench.studies.main`: ``lock`` (each measured cell under the benchmark
   lock), ``isolate`` (one process per cell), ``runs`` (where under the results root its runs go), ``slow``
   (compressor configs run last), and ``threads`` (torch threads its driver runs with; null: torch's default);

@@ -215,6 +215,18 @@ def test_damaged_fit_stats_beside_a_state_name_their_file(fitted):
         again()
 
 
+def test_a_read_only_home_keeps_no_fitted_state_and_the_run_goes_on(random_kv, tmp_path, monkeypatch, capsys):
+    """The state cache saves later runs a fit; a folder that cannot take it costs a warning, not the run."""
+    from compressors.predictive.delta import Delta
+    from kvbench.core.codec import prepare
+
+    cache = tmp_path / "home" / "codecs" / "delta-0123.state"
+    _refuse(monkeypatch, tmp_path / "home", errno.EROFS)
+    got = prepare(Delta(predictor="linear"), lambda: [random_kv(seed=3)], cache=cache)
+    assert got.state and not got.cached and not cache.exists()
+    assert f"warning: fitted state not kept in {cache.parent}: it is on a read-only file system" in capsys.readouterr().err
+
+
 def test_a_runs_cached_fitted_state_is_checked_on_the_next_run(tiny_cfg, tiny_handle, monkeypatch):
     """The state a run caches under KVBENCH_HOME/codecs, damaged, stops the next run that would load it."""
     from kvbench.core import codec

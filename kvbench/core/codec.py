@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.compressor import Compressor, fits, rebuild
 from kvbench.core.kv import KVSequence
 from kvbench.core.timing import Stopwatch
-from kvbench.store.atomic import write_bytes
+from kvbench.store.atomic import why_unwritable, write_bytes
 from kvbench.store.integrity import damaged, read_sealed_json, seal
 from kvbench.store.paths import home
 from kvbench.store.results import git_sha
@@ -109,9 +110,13 @@ def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], d
     fit_stats = compressor.stats()
     state = state_bytes(compressor)
     if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
-        # the stats first: a state file on disk implies its stats are there
-        write_bytes(_stats_path(cache), json.dumps(seal(fit_stats, default=_plain), sort_keys=True).encode())
-        write_bytes(cache, state)
+        try:
+            # the stats first: a state file on disk implies its stats are there
+            write_bytes(_stats_path(cache), json.dumps(seal(fit_stats, default=_plain), sort_keys=True).encode())
+            write_bytes(cache, state)
+        except OSError as e:  # the cache only saves later runs a fit; this run has its state in memory
+            print(f"warning: fitted state not kept in {cache.parent}: {why_unwritable(e)}; later runs fit again",
+                  file=sys.stderr)
     return Codec(compressor, decoder_for(compressor, state), state, watch.seconds, fit_stats=fit_stats)
 
 

@@ -5,22 +5,29 @@ The encoder is the configured compressor, fitted on calibration windows. Its fit
 (``codec_bits``, charged once per run). The decoder is a fresh instance rebuilt from the config alone
 (:func:`~kvbench.core.compressor.rebuild`) that has loaded those bytes, so no Python object passes anything uncounted
 from one side to the other.
+
+A fitted state kept for later runs (:func:`state_cache_path`) is ``<name>-<key>.state``, the framed bitstream itself
+(its CRC-32 catches a flipped bit or a cut), beside ``<name>-<key>.stats.json``, what the fit reported, sealed with
+the hash of its body (:func:`kvbench.store.integrity.seal`). Either file damaged, empty or unreadable is one
+:class:`~kvbench.store.integrity.IntegrityError` line naming it; deleting it makes the next run fit again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.coding.bitstream import Bitstream
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.compressor import Compressor, fits, rebuild
 from kvbench.core.kv import KVSequence
 from kvbench.core.timing import Stopwatch
-from kvbench.store.atomic import write_bytes
+from kvbench.store.atomic import why_unwritable, write_bytes
+from kvbench.store.integrity import damaged, read_sealed_json, seal
 from kvbench.store.paths import home
 from kvbench.store.results import git_sha
 
@@ -94,9 +101,7 @@ def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], d
     if not fits(compressor):
         return Codec(compressor, decoder_for(compressor, state_bytes(compressor)), state_bytes(compressor), 0.0)
     if cache is not None and cache.exists():
-        state = cache.read_bytes()
-        side = _stats_path(cache)
-        fit_stats = json.loads(side.read_text()) if side.exists() else {}
+        state, fit_stats = read_cached_state(compressor, cache)
         return Codec(decoder_for(compressor, state), decoder_for(compressor, state), state, 0.0, cached=True,
                      fit_stats=fit_stats)
     windows = list(calib())
@@ -105,10 +110,32 @@ def prepare(compressor: Compressor, calib: Callable[[], Sequence[KVSequence]], d
     fit_stats = compressor.stats()
     state = state_bytes(compressor)
     if cache is not None and state:  # a fit that only warms up (no state) is redone: it is cheap
-        # the stats first: a state file on disk implies its stats are there
-        write_bytes(_stats_path(cache), json.dumps(fit_stats, sort_keys=True, default=_plain).encode())
-        write_bytes(cache, state)
+        try:
+            # the stats first: a state file on disk implies its stats are there
+            write_bytes(_stats_path(cache), json.dumps(seal(fit_stats, default=_plain), sort_keys=True).encode())
+            write_bytes(cache, state)
+        except OSError as e:  # the cache only saves later runs a fit; this run has its state in memory
+            print(f"warning: fitted state not kept in {cache.parent}: {why_unwritable(e)}; later runs fit again",
+                  file=sys.stderr)
     return Codec(compressor, decoder_for(compressor, state), state, watch.seconds, fit_stats=fit_stats)
+
+
+def read_cached_state(compressor: Compressor, cache: Path) -> tuple[bytes, dict]:
+    """The state bytes in ``cache`` and the fit's stats beside them, both checked: a state that is empty, fails its
+    frame's checksum or was written by another compressor, and stats that are missing or fail their seal, are an
+    :class:`~kvbench.store.integrity.IntegrityError` naming the file."""
+    rebuild = f"delete {cache} (and {_stats_path(cache).name} beside it) and rerun: the run fits the codec again"
+    state = cache.read_bytes()
+    if not state:
+        raise damaged(cache, "is an empty fitted state", rebuild)
+    try:
+        Bitstream.from_bytes(state).sections(expect=state_name(compressor))
+    except BitstreamError as e:
+        raise damaged(cache, f"is not a sound fitted state ({e})", rebuild) from e
+    side = _stats_path(cache)
+    if not side.exists():  # written before the state, so a state without its stats was not written by prepare()
+        raise damaged(side, "is missing beside its fitted state", rebuild)
+    return state, read_sealed_json(side, rebuild)
 
 
 def _stats_path(cache: Path) -> Path:

@@ -7,12 +7,18 @@ entropy bound's empirical side, H(token | history).
 
 A trace is a directory: ``manifest.json`` and one ``seq_NNN.safetensors`` per window holding ``k`` and ``v``
 ``(L, H, T, D)`` in the cache dtype, ``tokens`` (prefix + continuation + 1) and ``logprobs`` (prefix tokens 1..T-1).
+Every later measurement rests on these files, so the manifest records the SHA-256 of each window file (``files``),
+the command that captures the trace again (``capture_command``) and the hash of its own body (``sha256``,
+:func:`kvbench.store.integrity.seal`); :func:`load_trace` checks all of them before a tensor is used, and a damaged,
+truncated or unhashed trace is one :class:`~kvbench.store.integrity.IntegrityError` line naming the file and that
+command.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -20,17 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from omegaconf import OmegaConf
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
 
 from kvbench import __version__
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.data import load_documents, sample_windows
 from kvbench.inputs.models import ModelHandle, describe
-from kvbench.store.atomic import staged_dir
+from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
+from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
 from kvbench.store.paths import home
 from kvbench.store.results import git_sha
 
-TRACE_FORMAT = 1
+#: 2: the manifest records each window file's hash and its own (format 1 traces have none and are captured again)
+TRACE_FORMAT = 2
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: dataset.split: the windows every study scores, and further ones for choosing hyperparameters
@@ -165,11 +175,53 @@ def split_windows(ds: Any) -> tuple[int, int]:
     return (0, n + calib) if split_of(ds) == "test" else (n + calib, 2 * n + calib)
 
 
+class TraceFolderNotWritable(ValueError):
+    """A trace must be captured into a folder that cannot take it."""
+
+
+def check_trace_folder(out: Path) -> None:
+    """Raise :class:`TraceFolderNotWritable` unless the folder a trace is captured into takes a write, before the
+    model is loaded or any window prefilled."""
+    try:
+        probe_write(Path(out).parent)
+    except OSError as e:
+        raise TraceFolderNotWritable(
+            f"trace folder {Path(out).parent} cannot take a capture: {why_unwritable(e)} ({e.filename or out}); "
+            "nothing was captured or measured. A trace this config has not captured yet must be written to a "
+            "writable folder: set KVBENCH_HOME=DIR (traces go to DIR/traces) or pass trace=PATH of a captured trace"
+        ) from e
+
+
+def _setting(cfg: Any, key: str) -> Any:
+    return OmegaConf.select(cfg, key, default=None, throw_on_missing=False) if OmegaConf.is_config(cfg) else None
+
+
+def capture_command(cfg: Any, out: Path | None = None) -> str:
+    """The ``python -m kvbench capture`` command that captures this config's trace (into ``out`` when it is not the
+    default folder): every field :func:`trace_key` reads."""
+    args = [f"model={_setting(cfg, 'model.name')}"]
+    if _setting(cfg, "model.path") is not None:
+        args.append(f"model.path={_setting(cfg, 'model.path')}")
+    args.append(f"dataset={_setting(cfg, 'dataset.name')}")
+    for name in ("path", "field", "n_sequences", "n_calib", "seq_len", "eval_len", "seed"):
+        if (value := _setting(cfg, f"dataset.{name}")) is not None:
+            args.append(f"dataset.{name}={value}")
+    if _setting(cfg, "dataset.split") not in (None, "test"):
+        args.append(f"dataset.split={_setting(cfg, 'dataset.split')}")
+    args.append(f"dtype={_setting(cfg, 'dtype')}")
+    if _setting(cfg, "capture.pre_rope"):
+        args.append("capture.pre_rope=true")
+    if out is not None and Path(out) != default_trace_dir(cfg):
+        args.append(f"trace={out}")
+    return "python -m kvbench capture " + " ".join(shlex.quote(a) for a in args)
+
+
 def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:
     """Capture the ``n_sequences`` evaluated windows of ``dataset.split`` and the ``n_calib`` calibration windows
-    into ``out`` (written atomically)."""
+    into ``out`` (written atomically, its manifest sealed with every file's hash)."""
     from tqdm import tqdm
 
+    check_trace_folder(out)
     ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
     first, drawn = split_windows(ds)
     every = sample_windows(load_documents(ds), handle.tokenizer, drawn, ds.seq_len + ds.eval_len + 1, ds.seed)
@@ -179,10 +231,13 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
     info = describe(handle.model, cfg.model.name, cfg.model.source, getattr(handle, "_meta", {}))
     roles = ["eval"] * ds.n_sequences + ["calib"] * ds.n_calib
     t0 = time.perf_counter()
+    files = {}
     with staged_dir(out) as tmp:
         for i, (ids, role) in enumerate(tqdm(list(zip(windows, roles)), desc="capture", disable=not progress, leave=False)):
             got = capture_window(handle.model, ids, ds.seq_len, dtype, bool(cfg.capture.pre_rope))
-            save_file({**got, "tokens": ids.clone()}, str(tmp / f"seq_{i:03d}.safetensors"), metadata={"role": role})
+            name = seq_file(i)
+            save_file({**got, "tokens": ids.clone()}, str(tmp / name), metadata={"role": role})
+            files[name] = sha256_file(tmp / name)
         elapsed = time.perf_counter() - t0
         manifest = {
             "format_version": TRACE_FORMAT,
@@ -197,43 +252,76 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
             "capture_s": elapsed,
             "prefill_tokens_per_s": total * ds.seq_len / elapsed,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "capture_command": capture_command(cfg, out),
+            "files": files,
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        (tmp / "manifest.json").write_text(json.dumps(seal(manifest), indent=2))
     return load_trace(out)
 
 
-def load_trace(path: Path) -> Trace:
+def seq_file(i: int) -> str:
+    return f"seq_{i:03d}.safetensors"
+
+
+#: how to rebuild a trace whose capture command is not known (its manifest is damaged, and no config is at hand)
+RECAPTURE = "capture it again with `python -m kvbench capture` and the model=/dataset=/dtype= overrides it was taken with"
+
+
+def load_trace(path: Path, rebuild: str | None = None) -> Trace:
+    """The trace in ``path``, every file checked against the hashes its sealed manifest records. ``rebuild``: the
+    command that captures it again (default: the one the manifest records), named by any error."""
     path = Path(path)
     mf = path / "manifest.json"
     if not mf.exists():
         raise FileNotFoundError(f"trace={path} is not a kvbench trace (no manifest.json); write one with `python -m kvbench capture`")
-    manifest = json.loads(mf.read_text())
+    fix = f"`{rebuild}`" if rebuild else RECAPTURE
+    try:
+        version = json.loads(mf.read_bytes()).get("format_version")
+    except (ValueError, AttributeError):
+        version = None  # unreadable: read_sealed_json names what is wrong
+    if isinstance(version, int) and version < TRACE_FORMAT:
+        raise damaged(mf, f"is of trace format {version}, whose files carry no content hashes to check them by; this "
+                          f"kvbench reads format {TRACE_FORMAT}", fix)
+    manifest = read_sealed_json(mf, fix)
     if manifest.get("format_version") != TRACE_FORMAT:
         raise ValueError(f"trace {path} has format {manifest.get('format_version')}; this kvbench reads {TRACE_FORMAT}")
+    if not rebuild and manifest.get("capture_command"):
+        fix = f"`{manifest['capture_command']}`"
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     seqs = []
     T = manifest["dataset"]["seq_len"]
     for i, role in enumerate(manifest["roles"]):
-        t = load_file(str(path / f"seq_{i:03d}.safetensors"))
-        kv = KVSequence(t["k"], t["v"], t["tokens"][:T], t.get("k_pre_rope"))
+        f = path / seq_file(i)
+        if not f.exists():
+            raise damaged(f, "is missing", fix)
+        data = f.read_bytes()
+        check_hash(f, files.get(f.name), fix, data)
+        try:
+            t = load(data)
+            kv = KVSequence(t["k"], t["v"], t["tokens"][:T], t.get("k_pre_rope"))
+        except (SafetensorError, KeyError, ValueError) as e:
+            raise damaged(f, f"is not a readable trace window ({type(e).__name__}: {e})", fix) from e
         seqs.append(TraceSequence(kv, t["tokens"][T:], t["logprobs"], role))
     return Trace(path, manifest, seqs)
 
 
 def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:
-    """``trace=PATH`` if given; else the cached capture for this (model, dataset, dtype); else capture now."""
+    """``trace=PATH`` if given; else the cached capture for this (model, dataset, dtype); else capture now. A
+    cached capture that fails its hashes is an error naming the file and the capture command, never measured on."""
     if cfg.trace:
-        return load_trace(Path(str(cfg.trace)).expanduser())
+        out = Path(str(cfg.trace)).expanduser()
+        return load_trace(out)  # its own manifest knows how it was captured; this config may not
     out = default_trace_dir(cfg)
     if (out / "manifest.json").exists():
-        return load_trace(out)
+        return load_trace(out, capture_command(cfg))
     from filelock import FileLock
 
     # Parallel sweep cells (joblib, submitit) may need the same trace at once: one captures, the others wait
     # on the lock and then load its capture instead of racing to replace the directory.
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_trace_folder(out)
     with FileLock(str(out.parent / f".{out.name}.lock")):
         if (out / "manifest.json").exists():
-            return load_trace(out)
+            return load_trace(out, capture_command(cfg))
         trace = capture(cfg, handle, out)
     trace.captured = True
     return trace

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -39,6 +40,32 @@ def write_with(path: Path, writer: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+#: what an OSError from a write means for the folder written to
+_WHY = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied", errno.ENOSPC: "no space is left on its device",
+        errno.EDQUOT: "the disk quota is exceeded"}
+
+
+def why_unwritable(e: OSError) -> str:
+    """Why a write failed, in words (a read-only file system, permission denied, no space, ...)."""
+    return _WHY.get(e.errno, e.strerror or type(e).__name__)
+
+
+def probe_write(folder: Path, nbytes: int = 0) -> None:
+    """Create ``folder`` if missing, then write, sync and remove a hidden file of ``nbytes`` there: raises the
+    OSError a read-only, foreign or full folder gives, before any work whose output would be lost to it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        Path(probe).unlink(missing_ok=True)
 
 
 @contextmanager

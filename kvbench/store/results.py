@@ -5,8 +5,9 @@ Every command that measures (``run``, ``eval``, ``latency``, ``restore``, ``step
 
     <prefix><compressor>-<cell_key>-<code version>/
         <kind file>        summary.json | eval.json | latency.json | restore.json | stepcost.json: the measurements, plus
-                           ``kind``, ``cell_key``, ``git_sha`` and the resolved ``config``, so that one file describes
-                           its run
+                           ``kind``, ``cell_key``, ``git_sha``, the resolved ``config`` and ``file_sha256`` (the
+                           SHA-256 of the table and of ``nll.npz``, taken as they were written), so that one file
+                           describes its run
         <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet | stepcost.parquet
         config.json        the resolved config
         nll.npz            for a run that scores held-out tokens: per scored window the base and compressed
@@ -23,23 +24,31 @@ share a results root at once measure each cell once: a cell is measured under a 
 (``runs/.locks/``), and a sweep that waits on it reuses the run the holder wrote. Before anything is measured the
 results folder is checked for a write (:func:`check_writable`), so a read-only or full disk fails at once, not
 after the measurement.
+
+The table and ``nll.npz`` are inputs to later verdicts, so they are checked against ``file_sha256`` when read: a run
+whose table or NLLs are missing, empty or fail their hash is not a finished run (:func:`finished` passes over it with
+a warning naming the file, so the cell is measured again and its directory replaced), and :func:`read_nll` refuses
+such a file with an :class:`~kvbench.store.integrity.IntegrityError` naming it. A run written before hashes were
+recorded is taken as it is (its files must still be there and non-empty): only ``metrics.resume=true`` reuses a run of
+another code version, and committed evidence is kept under version control.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
+import io
 import json
 import os
 import subprocess
-import tempfile
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.store.atomic import staged_dir
+from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
+from kvbench.store.integrity import check_hash, damaged, sha256_file
 from kvbench.store.paths import repo_root, results_root
 
 
@@ -78,6 +87,11 @@ ADDED_LATER = {
 #: the summary: ``(base, compressed)``, one float array per scored window each)
 NLL_FILE = "nll.npz"
 NLL_KEY = "_nll_per_token"
+#: the summary key mapping a run directory's table and :data:`NLL_FILE` to their SHA-256 as written
+FILE_HASHES = "file_sha256"
+#: what rebuilds a run's damaged file
+REMEASURE = ("measure its run again (the same command with metrics.resume=false), or, for committed evidence, "
+             "restore it with `git checkout`")
 
 
 def write_nll(path: Path, base: list, compressed: list) -> None:
@@ -95,15 +109,56 @@ def write_nll(path: Path, base: list, compressed: list) -> None:
 
 def read_nll(run_dir: Path) -> list[tuple]:
     """Per scored window of a run (its directory, or its evidence), ``(base, compressed)`` per-token NLLs; empty
-    when the run has none."""
+    when the run has none. The file is checked against the hash its summary recorded (:data:`FILE_HASHES`; a summary
+    written before hashes were recorded has none to check by): a missing, empty, damaged or unreadable file is an
+    :class:`~kvbench.store.integrity.IntegrityError` naming it."""
+    import zipfile
+
     import numpy as np
 
     f = Path(run_dir) / NLL_FILE
+    recorded = recorded_hashes(Path(run_dir)).get(NLL_FILE)
     if not f.exists():
+        if recorded:
+            raise damaged(f, "is missing though its run's summary records it", REMEASURE)
         return []
-    with np.load(f) as z:
-        base, comp, off = z["base"], z["compressed"], z["offsets"]
+    data = f.read_bytes()
+    if not data:
+        raise damaged(f, "is empty", REMEASURE)
+    if recorded:
+        check_hash(f, recorded, REMEASURE, data)
+    try:
+        with np.load(io.BytesIO(data)) as z:
+            base, comp, off = z["base"], z["compressed"], z["offsets"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise damaged(f, f"is not a readable per-token NLL file ({type(e).__name__}: {e})", REMEASURE) from e
     return [(base[a:b], comp[a:b]) for a, b in zip(off[:-1], off[1:])]
+
+
+def recorded_hashes(run_dir: Path) -> dict[str, str]:
+    """The :data:`FILE_HASHES` a run directory's summary records (empty for a run written before they were)."""
+    for k in KINDS.values():
+        s = read_summary(Path(run_dir) / k.summary)
+        if isinstance(s, dict) and isinstance(s.get(FILE_HASHES), dict):
+            return dict(s[FILE_HASHES])
+    return {}
+
+
+def unsound(run_dir: Path, kind: str, summary: dict) -> str | None:
+    """Why a run directory with a readable summary is not a finished run whose files can be trusted, or None: its
+    table or NLLs are missing, empty, or fail the hashes its summary records."""
+    recorded = summary.get(FILE_HASHES) if isinstance(summary.get(FILE_HASHES), dict) else {}
+    for name in (kind_of(kind).table, NLL_FILE):
+        f = Path(run_dir) / name
+        if not f.exists():
+            if name == NLL_FILE and not recorded.get(name):
+                continue  # a run that scores no tokens has none
+            return f"{f} is missing"
+        if f.stat().st_size == 0:
+            return f"{f} is empty"
+        if recorded.get(name) and sha256_file(f) != recorded[name]:
+            return f"{f} fails its content hash (recorded {recorded[name][:16]} when it was written)"
+    return None
 
 
 #: what a study writes while it runs (its pages, report files, logs): changes there are not changes of the code
@@ -170,14 +225,21 @@ def read_summary(path: Path) -> dict | None:
 
 
 def finished(root: Path, kind: str, key: str, name: str = "*", same_code: bool = False) -> list[dict]:
-    """Every finished run of the cell ``key`` under ``root``, newest first; each summary gets ``_dir``."""
+    """Every finished run of the cell ``key`` under ``root``, newest first; each summary gets ``_dir``. A run whose
+    table or NLLs are missing, empty or fail their recorded hash (:func:`unsound`) is not finished: a warning names
+    the file."""
     k = kind_of(kind)
     sha = _short(git_sha()) if same_code else "*"
     out = []
     for f in Path(root).glob(f"runs/{k.prefix}{name}-{key}-{sha}/{k.summary}"):
         s = read_summary(f)
-        if s is not None and s.get("cell_key") == key:
-            out.append({**s, "_dir": str(f.parent)})
+        if s is None or s.get("cell_key") != key:
+            continue
+        if (why := unsound(f.parent, kind, s)) is not None:
+            # its measurements cannot be trusted; the cell is measured again and the directory replaced
+            print(f"warning: not reusing run {f.parent.name}: {why}", file=sys.stderr)
+            continue
+        out.append({**s, "_dir": str(f.parent)})
     return sorted(out, key=lambda s: str(s.get("created", "")), reverse=True)
 
 
@@ -193,9 +255,6 @@ class ResultsNotWritable(ValueError):
 
 #: bytes the write check puts on disk (and removes): a disk without this much room cannot take a run's files
 PROBE_BYTES = 64 * 1024
-_WHY = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
-        errno.EPERM: "permission denied", errno.ENOSPC: "no space is left on its device",
-        errno.EDQUOT: "the disk quota is exceeded"}
 
 
 def check_writable(root: Path) -> None:
@@ -203,20 +262,11 @@ def check_writable(root: Path) -> None:
     in ``root/runs`` (created if missing). The probe is a hidden temporary file; nothing is left behind."""
     runs = Path(root) / "runs"
     try:
-        runs.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=runs, prefix=".write-check.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(b"\0" * PROBE_BYTES)
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            Path(probe).unlink(missing_ok=True)
+        probe_write(runs, PROBE_BYTES)
     except OSError as e:
-        why = _WHY.get(e.errno, e.strerror or type(e).__name__)
         raise ResultsNotWritable(
-            f"results folder {runs} cannot take a run: {why} ({e.filename or runs}); nothing was measured. "
-            "Point paths.results=DIR (or KVBENCH_RESULTS=DIR) at a writable folder with room") from e
+            f"results folder {runs} cannot take a run: {why_unwritable(e)} ({e.filename or runs}); nothing was "
+            "measured. Point paths.results=DIR (or KVBENCH_RESULTS=DIR) at a writable folder with room") from e
 
 
 def cell_lock_path(root: Path, kind: str, name: str, key: str) -> Path:
@@ -224,18 +274,23 @@ def cell_lock_path(root: Path, kind: str, name: str, key: str) -> Path:
     return Path(root) / "runs" / ".locks" / f"{kind_of(kind).prefix}{name}-{key}.lock"
 
 
-def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict, nll: tuple | None = None) -> None:
+def write(path: Path, kind: str, summary: dict, rows: list[dict], cfg_dict: dict, nll: tuple | None = None) -> dict:
     """Write a run directory atomically: it appears whole or not at all. ``nll``: ``(base, compressed)`` per-token
-    NLLs per scored window, written to :data:`NLL_FILE`."""
+    NLLs per scored window, written to :data:`NLL_FILE`. The summary is written last, with the hashes of the files
+    before it under :data:`FILE_HASHES`; it is returned as written."""
     import pandas as pd
 
     k = kind_of(kind)
     with staged_dir(path) as tmp:
         pd.DataFrame(rows).to_parquet(tmp / k.table, index=False)
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2, default=str))
-        (tmp / k.summary).write_text(json.dumps(summary, indent=2, default=str))
+        written = [k.table]
         if nll is not None and len(nll[0]):
             write_nll(tmp / NLL_FILE, *nll)
+            written.append(NLL_FILE)
+        summary = {**summary, FILE_HASHES: {name: sha256_file(tmp / name) for name in written}}
+        (tmp / k.summary).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
 
 
 @dataclass
@@ -291,7 +346,7 @@ def reuse_or_measure(kind: str, cfg_dict: dict, name: str, compressor_config: di
                    "config": cfg_dict}
         summary.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         path = run_dir(root, kind, name, key, sha)
-        write(path, kind, summary, rows, cfg_dict, nll)
+        summary = write(path, kind, summary, rows, cfg_dict, nll)
     return Outcome(summary, path, False)
 
 

@@ -159,3 +159,26 @@ def build(name: str) -> Case:
     case.stream = case.encode()
     case.decoded = case.decode(case.stream.data)
     return case
+
+
+#: tokens of the tiny model's cache that a configuration's distortion is measured on: longer than every default's
+#: exact window (KIVI's and KVTC's 128 recent tokens), so that each one codes part of it
+DISTORTION_TOKENS = 256
+
+
+@functools.cache
+def model_case(name: str, n_tokens: int = DISTORTION_TOKENS) -> Case:
+    """``configs/compressor/NAME.yaml`` on the tiny model's cache, as the harness runs it: fitted on another
+    window of that cache, the model in the context only for a compressor that ``needs_model``, the model's
+    config only for one that ``needs_config``; decoded by an instance rebuilt from the state bytes."""
+    comp = instantiate(name)
+    kv = model_kv(n_tokens)
+    config = tiny_model().config if comp.needs_config else None
+    handle = SimpleNamespace(model=tiny_model(), tokenizer=None) if comp.needs_model else None
+    kvs = shared_prefix_sessions(kv) if isinstance(comp, SetCompressor) else [kv]
+    comp.fit([model_kv(n_tokens, seed=9)], config=config)
+    case = Case(name, comp, decoder_for(comp, state_bytes(comp)), kvs,
+                [Context.for_kv(s, handle, config=config) for s in kvs], Bitstream(b"", 0))
+    case.stream = case.encode()
+    case.decoded = case.decode(case.stream.data)
+    return case

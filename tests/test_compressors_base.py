@@ -2,20 +2,24 @@
 
 Every ``configs/compressor/*.yaml`` runs here, none skipped: compressors that need a model run on conftest's tiny
 random Llama (its KV, token ids and weights), the others on random 16-bit KV (tests/stream_cases.py); the
-integration test below runs the model-backed ones on the packaged model too.
+integration test below runs the model-backed ones on the packaged model too. Every one also runs on the tiny
+model's own cache, where its decoded K and V must stay under the relative MSE its class declares
+(``max_rel_mse``): shapes and dtype alone would pass a lossy decoder that returns zeros.
 """
 
 import dataclasses
 
 import pytest
 import torch
-from stream_cases import ALL, VARIANTS, build, instantiate, needs_model
+from stream_cases import ALL, VARIANTS, build, instantiate, model_case, needs_model
 
+from compressors.eviction.evict import Eviction, n_kept
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bytes
 from kvbench.core.compressor import rebuild
 from kvbench.core.config import compose, make_compressor
 from kvbench.core.kv import Context
+from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.store.paths import repo_root
 
 _instantiate = instantiate
@@ -73,6 +77,72 @@ def test_roundtrip_shapes_accounting_and_checksum(name):
         case.decode(bytes(bad), dec)
 
 
+def check_distortion(case) -> None:
+    """The decoded cache against what the class declares of its default configuration: a relative MSE of K and of
+    V (measured as the harness does, on the entries the decoder keeps) under ``max_rel_mse``; an eviction method
+    keeps its kept entries exact and drops exactly ``T - round(keep * T)`` of every (layer, KV head); a
+    compressor that keeps every token drops none."""
+    comp = case.encoder
+    bound = type(comp).max_rel_mse
+    assert bound is not None, f"{type(comp).__name__} declares no max_rel_mse"
+    dist = DistortionAccumulator()
+    for kv, out in zip(case.kvs, case.decoded):
+        dist.add("k", kv.k, out.k, out.kept)
+        dist.add("v", kv.v, out.v, out.kept)
+        if isinstance(comp, Eviction):
+            assert out.kept is not None, f"{case.name} evicted nothing"
+            kept = out.kept.unsqueeze(-1).expand_as(out.k)  # (L, H, T, D)
+            if comp.inner is None:
+                assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept]), \
+                    f"{case.name}: a kept entry is not the cache's"
+            per_head = out.kept.sum(-1)  # (L, H)
+            want = n_kept(comp.name, comp.keep, kv.n_tokens)
+            assert (per_head == want).all(), \
+                f"{case.name} kept {per_head.tolist()} per head; keep={comp.keep} declares {want} of {kv.n_tokens}"
+        elif comp.always_kept(kv.n_tokens) is None:
+            assert out.kept is None or bool(out.kept.all()), f"{case.name} dropped tokens but declares it keeps all"
+    for kind in ("k", "v"):
+        got = dist.rel_mse(kind)
+        assert got <= bound, (f"{case.name}: relative MSE of {kind.upper()} is {got:.4g} on the tiny model's cache, "
+                              f"over the {bound} {type(comp).__name__}.max_rel_mse declares")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_default_configuration_stays_under_its_declared_distortion(name):
+    """On the tiny model's cache (fitted on another window of it), as the harness runs a cell."""
+    check_distortion(model_case(name))
+
+
+@pytest.mark.parametrize("target", ["compressors.quantizers.turboquant.TurboQuant", "compressors.quantizers.kivi.KIVI"])
+def test_a_lossy_decoder_returning_zeros_fails_the_contract(target, monkeypatch):
+    """The distortion check is what catches a broken lossy decoder: the shape contract alone passes this one."""
+    import hydra.utils
+
+    cls = hydra.utils.get_class(target)
+    real = cls.decode
+
+    def zeros(self, bs, ctx):
+        out = real(self, bs, ctx)
+        return dataclasses.replace(out, k=torch.zeros_like(out.k), v=torch.zeros_like(out.v))
+
+    monkeypatch.setattr(cls, "decode", zeros)
+    case = model_case.__wrapped__(cls.name)  # built afresh, past the cache of honest cases
+    _check_roundtrip(case, case.decoded)  # the shape contract holds ...
+    with pytest.raises(AssertionError, match=f"{cls.name}: relative MSE of K is 1 on the tiny model's cache"):
+        check_distortion(case)  # ... the distortion contract does not
+
+
+def test_an_eviction_method_keeping_other_than_it_declares_fails_the_contract(monkeypatch):
+    """An encoder that keeps 8 more tokens per head than ``keep`` says: its stream, kept entries and zeros are all
+    consistent, only the declared fraction catches it."""
+    import compressors.eviction.evict as evict
+
+    monkeypatch.setattr(evict, "n_kept", lambda owner, keep, n: n_kept(owner, keep, n) + 8)
+    case = model_case.__wrapped__("knorm")
+    _check_roundtrip(case, case.decoded)
+    want = n_kept("knorm", case.encoder.keep, case.kvs[0].n_tokens)
+    with pytest.raises(AssertionError, match=rf"knorm kept \[\[{want + 8}, .* declares {want} of"):
+        check_distortion(case)
 
 
 @pytest.mark.integration

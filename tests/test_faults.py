@@ -5,6 +5,12 @@ The sweeps run the CLI in subprocesses on conftest's tiny checkpoint. Their cell
 small plugin written beside the test (``compressor._target_=faultplug.Faulty``): it logs every encode and, when
 ``KVBENCH_FAULT`` names its cell, drops a marker file and blocks inside the encoder or inside the serialisation of
 ``summary.json`` (the last file of the staged run directory), where the test kills it.
+
+Two sweeps at once are made to overlap, not left to luck: with ``KVBENCH_FAULT_MEET`` naming a folder, a sweep marks
+each cell it reaches as it builds the cell's compressor (before the reuse check and the cell's lock), and its
+encoder marks that it measures the cell, then holds it until the other sweep has reached the cell too and then up to
+the plugin's ``JOIN_S`` seconds more for the other to join it inside the encoder. Under the per-cell lock the other
+sweep waits at the lock and never joins: each cell is measured once while the other sweep provably wanted it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import pytest
 from kvbench.store import results
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
 
 PLUGIN = '''
 import os
@@ -31,6 +38,9 @@ import time
 from dataclasses import dataclass
 
 from compressors.exact.identity import Identity
+
+ARRIVE_S = 120  # bounds the wait for the other sweep to reach the cell (it always does: both sweep the same cells)
+JOIN_S = 10  # without the lock the other sweep, once at the cell, is in its encoder within a second
 
 
 def _fault(where, tag):
@@ -52,14 +62,46 @@ class _AtWrite:
         return "written"
 
 
+def _others(folder, what, tag):
+    mine = f"{what}.{tag}.{os.getpid()}"
+    return [p for p in os.listdir(folder) if p.startswith(f"{what}.{tag}.") and p != mine]
+
+
+def _wait(until_s, done):
+    deadline = time.monotonic() + until_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return done()
+
+
+def _meet(tag):
+    """Hold the cell's measurement until the other sweep has reached the cell, then give it JOIN_S seconds to
+    enter this encoder too; log whether it reached the cell and whether it joined."""
+    folder = os.environ.get("KVBENCH_FAULT_MEET")
+    if not folder:
+        return
+    open(os.path.join(folder, f"encode.{tag}.{os.getpid()}"), "w").close()
+    arrived = _wait(ARRIVE_S, lambda: _others(folder, "arrive", tag))
+    joined = _wait(JOIN_S, lambda: _others(folder, "encode", tag)) if arrived else False
+    with open(os.environ["KVBENCH_FAULT_LOG"], "a") as f:
+        f.write(f"meet {tag} {os.getpid()} arrived={int(bool(arrived))} joined={int(bool(joined))}\\n")
+
+
 @dataclass
 class Faulty(Identity):
     tag: int = 0
 
     name = "faulty"
 
+    def __post_init__(self):
+        # built for the cell before its reuse check and its lock: this sweep has reached the cell
+        folder = os.environ.get("KVBENCH_FAULT_MEET")
+        if folder:
+            open(os.path.join(folder, f"arrive.{self.tag}.{os.getpid()}"), "w").close()
+
     def encode(self, kv, ctx):
         _fault("encode", self.tag)
+        _meet(self.tag)
         return super().encode(kv, ctx)
 
     def stats(self):
@@ -82,13 +124,21 @@ class Sweeps:
         (tmp / "plugin").mkdir()
         (tmp / "plugin" / "faultplug.py").write_text(textwrap.dedent(PLUGIN))
         self.results, self.log, self.mark = tmp / "results", tmp / "faults.log", tmp / "fault.mark"
+        self.meet = tmp / "meet"
         self.env = {**os.environ, "KVBENCH_HOME": str(tmp / "home"), "KVBENCH_RESULTS": str(self.results),
                     "OMP_NUM_THREADS": "1", "KVBENCH_FAULT_LOG": str(self.log), "KVBENCH_FAULT_MARK": str(self.mark),
-                    "PYTHONPATH": os.pathsep.join([str(tmp / "plugin"), os.environ.get("PYTHONPATH", "")])}
+                    # this checkout's kvbench, not whichever one the interpreter has installed
+                    "PYTHONPATH": os.pathsep.join([str(tmp / "plugin"), str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.env.pop("KVBENCH_FAULT", None)
+        self.env.pop("KVBENCH_FAULT_MEET", None)
 
-    def start(self, tags: str, fault: str | None = None) -> subprocess.Popen:
-        env = {**self.env, **({"KVBENCH_FAULT": fault} if fault else {})}
+    def start(self, tags: str, fault: str | None = None, meet: bool = False) -> subprocess.Popen:
+        """A sweep of the cells ``tags``; ``meet``: each of its measurements waits for another sweep (see the
+        module docstring)."""
+        if meet:
+            self.meet.mkdir(exist_ok=True)
+        env = {**self.env, **({"KVBENCH_FAULT": fault} if fault else {}),
+               **({"KVBENCH_FAULT_MEET": str(self.meet)} if meet else {})}
         return subprocess.Popen([sys.executable, *_sweep_args(self.ckpt, self.corpus, tags)], env=env, cwd=self.tmp,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -116,6 +166,17 @@ class Sweeps:
         text = self.log.read_text() if self.log.exists() else ""
         return [int(line.split()[1]) for line in text.splitlines() if line.startswith("encode")]
 
+    def meetings(self) -> list[tuple[int, int, bool, bool]]:
+        """Per measurement that waited for the other sweep: (tag, pid, the other reached the cell meanwhile, the
+        other measured it too)."""
+        text = self.log.read_text() if self.log.exists() else ""
+        out = []
+        for line in text.splitlines():
+            if line.startswith("meet "):
+                _, tag, pid, arrived, joined = line.split()
+                out.append((int(tag), int(pid), arrived == "arrived=1", joined == "joined=1"))
+        return out
+
     def runs(self) -> dict[int, Path]:
         """Finished run directories by tag, as the results layer finds them; every one must be complete."""
         out = {}
@@ -139,6 +200,10 @@ def _inodes(dirs: dict[int, Path]) -> dict[int, tuple[int, bytes]]:
 
 
 def test_killed_sweeps_resume_and_two_sweeps_at_once_measure_each_cell_once(tmp_path, tiny_checkpoint):
+    """The per-cell lock is what this guards: with ``with FileLock(str(lock)):`` in
+    ``kvbench.store.results.reuse_or_measure`` replaced by ``if True:``, both sweeps measure cells 3 and 4 together
+    and the test fails with "both sweeps measured one cell at once: [(3, …, True, True), (3, …, True, True),
+    (4, …), (4, …)]"."""
     sw = Sweeps(tmp_path, tiny_checkpoint)
 
     # SIGKILL inside cell 2's encoder: cell 1 is finished, cell 2 left nothing, not even a staging directory
@@ -155,10 +220,15 @@ def test_killed_sweeps_resume_and_two_sweeps_at_once_measure_each_cell_once(tmp_
     assert sw.encodes() == [1, 2, 2, 3]  # cell 1 was reused, not encoded again
     kept = _inodes(first)
 
-    # two sweeps resume the same root at once, with a cell neither has run: every cell ends up present once,
-    # cells 3 and 4 are measured once between the two sweeps, and the finished cells are not touched
-    a, b = sw.start("1,2,3,4"), sw.start("1,2,3,4")
+    # two sweeps resume the same root at once, with a cell neither has run, each measurement held until the other
+    # sweep has reached the cell: every cell ends up present once, cells 3 and 4 are measured once between the two
+    # sweeps while the other sweep waited on them, and the finished cells are not touched
+    a, b = sw.start("1,2,3,4", meet=True), sw.start("1,2,3,4", meet=True)
     outs = [p.communicate(timeout=300)[0] for p in (a, b)]
+    meetings = sw.meetings()
+    assert not any(joined for *_, joined in meetings), f"both sweeps measured one cell at once: {meetings}"
+    assert all(arrived for _, _, arrived, _ in meetings), f"a sweep measured a cell the other never reached: {meetings}"
+    assert sorted(m[0] for m in meetings) == [3, 4], meetings
     assert a.returncode == 0 and b.returncode == 0, "\n".join(o[-3000:] for o in outs)
     done = sw.runs()
     assert sorted(done) == [1, 2, 3, 4]

@@ -55,6 +55,7 @@ class Pipeline(SetCompressor):
 
     name = "pipeline"
     family = "dedup"
+    max_rel_mse = 0.0  # inner identity
 
     def __post_init__(self) -> None:
         self.inner = resolve_compressor(self.inner, "pipeline.inner")

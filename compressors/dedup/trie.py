@@ -63,6 +63,7 @@ class Trie(SetCompressor):
 
     name = "trie"
     family = "dedup"
+    max_rel_mse = 0.0
     lossless = True
 
     def __post_init__(self) -> None:

@@ -111,6 +111,7 @@ class Eviction(Compressor):
     inner: Any = None
 
     family = "eviction"
+    max_rel_mse = 0.0  # inner none: kept entries at 16 bits (dropped ones are not distortion)
     #: how tables name the protected last tokens: an observation window (``last``) or the newest tokens (``recent``)
     window_word = "last"
     #: True for the method that keeps tokens regardless of content: the chance line the others are compared with

@@ -18,6 +18,7 @@ class Identity(Compressor):
     name = "identity"
     family = "exact"
     lossless = True
+    max_rel_mse = 0.0
 
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
         return Bitstream.pack(self.name, {"k": tensor_to_bytes(kv.k), "v": tensor_to_bytes(kv.v)})

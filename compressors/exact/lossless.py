@@ -75,6 +75,7 @@ class Lossless(Compressor):
     name = "lossless"
     family = "exact"
     lossless = True
+    max_rel_mse = 0.0
 
     def __post_init__(self) -> None:
         check_choice("lossless", "coder", self.coder, CODERS)

@@ -71,6 +71,7 @@ class Delta(Compressor):
 
     name = "delta"
     family = "predictive"
+    max_rel_mse = 0.0  # step 0: bit-exact
 
     def __post_init__(self) -> None:
         if self.predictor == "model":

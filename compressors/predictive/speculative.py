@@ -102,6 +102,7 @@ class Speculative(Compressor):
 
     name = "speculative"
     family = "predictive"
+    max_rel_mse = 0.0  # step 0: bit-exact
     needs_model = True
 
     def __post_init__(self) -> None:

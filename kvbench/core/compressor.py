@@ -56,6 +56,11 @@ class Compressor(abc.ABC):
     needs_config: ClassVar[bool] = False
     #: the family tables group it under: quantizer | transform | predictive | exact | dedup | eviction
     family: ClassVar[str] = ""
+    #: the relative MSE of K and of V (squared error over energy, on the entries the decoder keeps) that this class's
+    #: default configuration stays under on the tiny test model's cache, declared with headroom over what it measures
+    #: there; 0 where that configuration is exact. The contract suite asserts it, so a decoder that returns zeros
+    #: (relative MSE 1) fails. None: not declared, which the structure tests refuse for a registered compressor
+    max_rel_mse: ClassVar[float | None] = None
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is

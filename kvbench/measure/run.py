@@ -236,7 +236,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         **measuring,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        NLL_KEY: (nll_base, nll_comp),  # the run directory's nll.npz, not the summary's
+        NLL_KEY: (nll_base, nll_comp, (recall_base, recall_comp, recall_of)),  # the run directory's nll.npz
     }
     return summary, dist.rows()
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from kvbench.report.recompute import recompute_run
+from kvbench.report.rederive import recompute_run
 from kvbench.store import results
 
 

@@ -8,7 +8,7 @@ temporary folder and compared with the committed ones; a difference is shown as 
 when its source types a figure by hand instead of referencing the evidence, when a reference selects no run or
 several, and when its evidence mixes code versions without ``--allow-mixed``. It fails as well when the evidence
 itself disagrees: a run's delta NLL, interval or verdict (or its recall probe's) that its per-token arrays do not
-give back, or a run two studies publish whose copies differ (:mod:`kvbench.report.recompute`). A committed page that
+give back, or a run two studies publish whose copies differ (:mod:`kvbench.report.rederive`). A committed page that
 is not registered is not checked; it fails unless it carries :data:`kvbench.report.evidence.NOT_BACKED` under its
 title.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvbench.report.evidence import MANIFEST, NOT_BACKED, evidence_root
 from kvbench.report.pages import build, registry
-from kvbench.report.recompute import Verified, copies, verify_study
+from kvbench.report.rederive import Verified, copies, verify_study
 from kvbench.store.paths import repo_root, results_root
 
 COMPARED = (".md", ".tex", ".csv")
@@ -42,8 +42,8 @@ class Outcome:
 
 
 class EvidenceCheck:
-    """Each study's evidence verified once per check (:func:`kvbench.report.recompute.verify_study`, and
-    :func:`~kvbench.report.recompute.copies` across all studies), whichever pages read it."""
+    """Each study's evidence verified once per check (:func:`kvbench.report.rederive.verify_study`, and
+    :func:`~kvbench.report.rederive.copies` across all studies), whichever pages read it."""
 
     def __init__(self, results: str | os.PathLike | None = None) -> None:
         self.root = evidence_root(results)

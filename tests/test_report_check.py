@@ -169,6 +169,7 @@ def test_two_studies_copies_of_one_run_must_be_the_same_bytes(published, tmp_pat
                                                                        ("evidence", "other")]
     assert all(o.lines == [f"run {run.name}: its copies in other/ and per_vector/ differ (summary.json); a run "
                            "published by two studies must be the same bytes in both"] for o in failed)
+    assert "1 page(s) rebuilt from evidence; 2 failed" in summary(check(root, pages=sorted(root.glob("*.md"))))
 
 
 @pytest.mark.parametrize("text, figures", [

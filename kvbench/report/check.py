@@ -174,6 +174,6 @@ def summary(outcomes: Sequence[Outcome]) -> str:
     if unchecked:
         lines.append(f"not checked (no committed evidence; each page says so): {', '.join(unchecked)}")
     failed = sum(o.status in FAILED for o in outcomes)
-    rebuilt = sum(o.status not in ("not checked", "unmarked") for o in outcomes)
+    rebuilt = sum(o.status not in ("not checked", "unmarked") and o.page.endswith(".md") for o in outcomes)
     lines.append(f"{rebuilt} page(s) rebuilt from evidence; {failed} failed; {len(unchecked)} not checked")
     return "\n".join(lines)

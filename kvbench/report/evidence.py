@@ -5,11 +5,14 @@ Per study, ``<results>/evidence/<study>/`` holds one folder per run, named as it
     <run dir name>/
         summary.json | eval.json | ... | stepcost.json            the run's summary as written (its config inside)
         config.json                                              only for a summary written without its config
-        nll.npz                                                  the per-token paired NLLs, when the run has them
+        nll.npz                                                  the per-token paired NLLs (and the recall probe's),
+                                                                 when the run has them: report --check recomputes
+                                                                 the summary's delta NLLs from them
     manifest.json                                                the study: its runs, their code version, how to
                                                                  select its cells, the machine they ran on
 
-Traces, KV, fitted state and weights are never copied (a summary names its trace; it does not hold it). A study
+Traces, KV, fitted state and weights are never copied (a summary names its trace; it does not hold it). A run two
+studies publish is copied into each, and ``report --check`` requires the copies to be the same bytes. A study
 publishes runs of one code version of a clean tree: :func:`export` refuses several versions, or a ``-dirty`` one,
 unless ``allow_mixed`` (which the manifest records and each page built from it states).
 """

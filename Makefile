@@ -39,7 +39,8 @@ test-integration: assets $(TEST_STAMP)
 bench: assets
 	$(PY) scripts/bench_compressors.py
 
-# results/README.md and its report from scratch, both packaged models (about 36 minutes here; scripts/reproduce.sh)
+# results/README.md and its report from scratch, both packaged models (scripts/reproduce.sh; its wall time goes into
+# the README's header and results/reproduce.log)
 reproduce: assets $(TEST_STAMP)
 	PY=$(PY) scripts/reproduce.sh
 

@@ -3,9 +3,9 @@
 # gemma-3-270m: the frontier (every coder family, paired 95% intervals), eviction beside it, RULER accuracy with
 # intervals, the resident cache's decode speed against DynamicCache and transformers' QuantizedCache, restore
 # time-to-first-token crossovers, cross-session prefix sharing and the entropy bound. The wall time goes into the
-# README's header and results/reproduce.log: 36 minutes on this 2-core machine with nothing else running (the measured
-# lane takes a model's RULER cells once its own are done; each model's RULER cells run in one process that answers the
-# 16-bit baselines once). To fit a tighter budget: MODELS=smollm2_135m (about half).
+# README's header and results/reproduce.log (the measured lane takes a model's RULER cells once its own are done;
+# each model's RULER cells run in one process that answers the 16-bit baselines once). To fit a tighter budget:
+# MODELS=smollm2_135m (about half).
 #
 #   scripts/reproduce.sh                      # everything above, both models
 #   make reproduce                            # the same, after installing what it needs (the hqq extra)

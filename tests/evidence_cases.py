@@ -23,21 +23,35 @@ def per_vector_cells():
 
 def write_run(root: Path, cell, i: int, sha: str = "a" * 40, created: str | None = None, **extra) -> Path:
     """A finished run of ``cell`` under ``root/runs``: run ``i`` has ``bits_per_element`` 2 + i, ``delta_nll``
-    0.01 i (its per-token NLLs average to exactly that), and the rest of a run summary's keys."""
+    about 0.01 i, and the rest of a run summary's keys; its NLL figures (and its recall probe's, about 0.1 i) are
+    what the measuring functions make of its per-token NLLs, as a run's are."""
     from kvbench.core.config import make_compressor
+    from kvbench.measure.run import recall_loss, task_loss
     from kvbench.store import results
 
     params = make_compressor(cell.cfg.compressor).describe()
     bits = 2.0 + i
-    base = [np.full(8, 3.0, np.float32), np.full(8, 3.5, np.float32)]  # two scored windows
-    comp = [b + np.float32(0.01 * i) for b in base]
+    base, comp = nlls(0.01 * i, 64)  # two scored windows
+    recall = (*nlls(0.1 * i, 16), [0, 1])  # a copy span after each
+    metrics = OmegaConf.create(OmegaConf.to_container(cell.cfg.metrics, resolve=True))
     s = {"compressor": params["name"], "model": "smollm2_135m", "dataset": "sotu", "compressor_params": params,
          "cell_key": cell.key, "created": created or f"2026-01-0{i + 1}T00:00:00",
          "config": OmegaConf.to_container(cell.cfg, resolve=True), "git_sha": sha, "kind": "run", "n_tokens": 4096,
          "n_sequences": 4, "n_elements": 4096 * 11520, "bits_per_element": bits, "bits_per_token": bits * 11520,
-         "bound_bits_per_token": 5.07, "compression_ratio": 16 / bits, "delta_nll": 0.01 * i, "nll_base": 3.25,
+         "bound_bits_per_token": 5.07, "compression_ratio": 16 / bits, **task_loss(base, comp, metrics),
+         **recall_loss(recall[0], recall[1], metrics, None, recall[2]),
          "rel_mse_k": 0.01, "rel_mse_v": 0.02, "encode_MBps": 80.0, "decode_MBps": 150.0, "lossless": False,
-         "delta_nll_ci": [0.01 * i - 0.005, 0.01 * i + 0.005], "trace": "/t/smollm2-sotu-aaaa", **extra}
+         "trace": "/t/smollm2-sotu-aaaa", **extra}
     path = results.run_dir(root, "run", s["compressor"], cell.key, sha)
-    results.write(path, "run", s, [{"layer": 0, "kind": "k"}], s["config"], nll=(base, comp))
+    results.write(path, "run", s, [{"layer": 0, "kind": "k"}], s["config"], nll=(base, comp, recall))
     return path
+
+
+def nlls(delta: float, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Two windows of ``n`` per-token NLLs each, base and compressed, as float32 values (as a run scores them): the
+    base averages 3.25, the compressed ``delta`` more, with a spread so that the interval has a width."""
+    wobble = np.sin(np.arange(n)) * 0.25  # (n,)
+    base = [(3.0 + np.where(np.arange(n) % 2, 0.25, -0.25)).astype(np.float32).astype(np.float64),
+            (3.5 + np.where(np.arange(n) % 2, -0.25, 0.25)).astype(np.float32).astype(np.float64)]
+    comp = [(b + delta + s * wobble).astype(np.float32).astype(np.float64) for b, s in zip(base, (0.04, -0.04))]
+    return base, comp

@@ -1,10 +1,13 @@
 """``python -m kvbench report --check``: pages rebuilt from synthetic committed evidence pass it; a page edited by
-hand, a figure typed into hand-written text, a reference that selects no run or several, and runs of mixed code
-versions fail it; a page without evidence passes only by saying so. The committed pages pass it."""
+hand, a figure typed into hand-written text, a reference that selects no run or several, runs of mixed code
+versions, a per-token NLL edited under a run's summary and two copies of one run that differ fail it; a page without
+evidence passes only by saying so. The committed pages pass it."""
 
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 from evidence_cases import per_vector_cells, write_run
 
@@ -56,8 +59,10 @@ def _failures(root):
 def test_a_page_rebuilt_from_its_evidence_passes_the_check(published):
     text = (published / "per_vector.md").read_text()
     # the references render the selected run's figures; the header names the commit and the evidence
-    assert "TurboQuant_mse at 3.000 bits per element" in text  # run 1: 2 + 1 bits, delta 0.01 [+0.005, +0.015]
-    assert "by [+0.0050, +0.0150] nats" in text and "base NLL is 3.25 nats" in text
+    assert "TurboQuant_mse at 3.000 bits per element" in text  # run 1: 2 + 1 bits
+    (lo, hi), = [s["delta_nll_ci"] for s in map(json.loads, map(Path.read_text, published.glob("evidence/*/*/summary.json")))
+                 if s["bits_per_element"] == 3.0]
+    assert f"by [{lo:+.4f}, {hi:+.4f}] nats" in text and "base NLL is 3.25 nats" in text
     assert "within 1% at 3.20x." in text  # run 3 (prod): 16 / 5 bits, as a ratio
     assert "measured at commit `aaaaaaa` up to 2026-01-04 on a test machine" in text
     assert "| turboquant variant=mse | 2.5 | 3.000 |" in text  # the generated table
@@ -91,6 +96,80 @@ def test_a_figure_typed_into_a_findings_block_fails_the_check(published, tmp_pat
     (failed,) = _failures(root)
     assert failed.status == "figures"
     assert [ln.split(":")[2].split()[0] for ln in failed.lines] == ["'2.13'", "'6,680x'", "'31%'"]
+
+
+def test_a_typed_figure_is_named_by_its_line_in_the_source_file(published, tmp_path):
+    root = _copy(published, tmp_path)
+    source = root / "evidence" / "pages" / "per_vector.md"
+    source.write_text(source.read_text().replace("The 16-bit baseline", "At 2.13 bits the 16-bit baseline"))
+    page = json.loads((root / "evidence" / "pages.json").read_text())
+    page["per_vector.md"]["literals"] = "findings"  # only the findings blocks are read for typed figures
+    (root / "evidence" / "pages.json").write_text(json.dumps(page))
+    (built,) = write_pages(root, formats=())
+    line = next(i for i, ln in enumerate(source.read_text().split("\n"), 1) if "At 2.13 bits" in ln)
+    assert line > 5 and built.literals == [(line, "2.13")]
+    (failed,) = _failures(root)
+    assert failed.lines[0].startswith(f"evidence/pages/per_vector.md:{line}: '2.13' is typed by hand")
+
+
+def _edit_nll(run, key, i=3):
+    """``run``'s nll.npz with value ``i`` of array ``key`` moved by one float32 step: the smallest edit there is."""
+    f = run / "nll.npz"
+    with np.load(f) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    arrays[key][i] = np.nextafter(arrays[key][i], np.float32(np.inf))
+    np.savez_compressed(f, **arrays)
+
+
+@pytest.mark.parametrize("key, field", [("compressed", "delta_nll"), ("base", "nll_base"),
+                                        ("recall_compressed", "delta_nll_recall"), ("recall_base", "nll_recall_base")])
+def test_one_per_token_nll_edited_under_a_summary_fails_the_check_naming_the_run_and_the_page(published, tmp_path,
+                                                                                               key, field):
+    root = _copy(published, tmp_path)
+    run = sorted((root / "evidence" / "per_vector").glob("turboquant-*"))[1]
+    _edit_nll(run, key)
+    (failed,) = _failures(root)
+    assert failed.status == "evidence" and failed.page.endswith("per_vector.md")
+    assert any(ln.startswith(f"per_vector/{run.name}: {field}: ") and "recomputed from nll.npz, the summary says"
+               in ln for ln in failed.lines), failed.lines
+    assert f"EVIDENCE   {failed.page}" in summary([failed])
+
+
+def test_a_summary_edited_above_its_per_token_nlls_fails_the_check(published, tmp_path):
+    root = _copy(published, tmp_path)
+    run = sorted((root / "evidence" / "per_vector").glob("turboquant-*"))[2]
+    s = json.loads((run / "summary.json").read_text())
+    other = next(v for v in ("within", "not within", "unresolved") if v != s["delta_nll_verdict_1pct"])
+    (run / "summary.json").write_text(json.dumps({**s, "delta_nll_verdict_1pct": other}))
+    (failed,) = _failures(root)
+    assert failed.status == "evidence"
+    assert any("delta_nll_verdict_1pct: " in ln and f"the summary says {other!r}" in ln for ln in failed.lines)
+
+
+def test_a_run_measured_before_the_recall_arrays_were_stored_is_noted_not_failed(published, tmp_path):
+    root = _copy(published, tmp_path)
+    run = sorted((root / "evidence" / "per_vector").glob("turboquant-*"))[0]
+    with np.load(run / "nll.npz") as z:
+        np.savez_compressed(run / "nll.npz", **{k: z[k] for k in ("base", "compressed", "offsets")})
+    (outcome,) = check(root, pages=sorted(root.glob("*.md")))
+    assert outcome.status == "ok" and outcome.notes == [
+        f"per_vector: recall probe not recomputed: its nll.npz holds no recall arrays (1 run: {run.name})"]
+    assert f"note: {outcome.notes[0]}" in summary([outcome])
+
+
+def test_two_studies_copies_of_one_run_must_be_the_same_bytes(published, tmp_path):
+    root = _copy(published, tmp_path)
+    shutil.copytree(root / "evidence" / "per_vector", root / "evidence" / "other")
+    assert _failures(root) == []  # identical copies
+    run = sorted((root / "evidence" / "other").glob("turboquant-*"))[0]
+    s = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**s, "rel_mse_k": 0.5}))  # no NLL figure: only the copies differ
+    failed = _failures(root)
+    assert [(o.status, o.page.rsplit("/", 1)[-1]) for o in failed] == [("evidence", "per_vector.md"),
+                                                                       ("evidence", "other")]
+    assert all(o.lines == [f"run {run.name}: its copies in other/ and per_vector/ differ (summary.json); a run "
+                           "published by two studies must be the same bytes in both"] for o in failed)
+    assert "1 page(s) rebuilt from evidence; 2 failed" in summary(check(root, pages=sorted(root.glob("*.md"))))
 
 
 @pytest.mark.parametrize("text, figures", [

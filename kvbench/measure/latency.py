@@ -38,6 +38,7 @@ from kvbench.cache.compressed import CompressedCache
 from kvbench.cache.window_layer import assemble
 from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
+from kvbench.core.machine import conditions
 from kvbench.core.timing import PeakRSS
 from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.data import load_documents, sample_windows
@@ -257,7 +258,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "baselines": {name: b.describe() for name, b in baselines.items()},
         "model_dtype": str(model_dtype).replace("torch.", ""),
         "fit_s": fit_s,
-        "torch_threads": torch.get_num_threads(),
+        **conditions(load=load_start[0]),
         # 1-minute load average at the start and the end: other jobs on a shared machine slow every row alike
         "loadavg_1m": [load_start[0], os.getloadavg()[0]],
         "compressor_params": compressor.describe(),

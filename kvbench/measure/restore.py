@@ -45,6 +45,7 @@ from kvbench.coding.bitstream import Bitstream
 from kvbench.core.codec import Codec, prepare
 from kvbench.core.compressor import Compressor
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.machine import conditions
 from kvbench.core.next_token import torch_threads
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
@@ -284,7 +285,7 @@ def measure_restore(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "dtype": cfg.dtype,
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "device": dev,
-        "torch_threads": threads,
+        **conditions(threads, load_start[0]),
         # 1-minute load average at the start and the end: other jobs on a shared machine slow every time alike
         "loadavg_1m": [load_start[0], os.getloadavg()[0]],
         "compressor_params": compressor.describe(),

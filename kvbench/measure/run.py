@@ -23,6 +23,7 @@ from kvbench.core.codec import Codec, prepare, state_cache_path
 from kvbench.core.compressor import Compressor, SetCompressor
 from kvbench.core.items import Item, Source
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.machine import conditions
 from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
@@ -138,6 +139,7 @@ def code(codec: Codec, kvs: Sequence[KVSequence], enc_ctxs: Sequence[Context], d
 
 def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None) -> tuple[dict, list[dict]]:
     """Run one cell and return ``(summary, rows)``. ``cfg`` is the resolved run config (DictConfig or alike)."""
+    measuring = conditions()  # the load before this run adds its own
     handle = handle or ModelHandle(cfg.model, cfg.device)
     if workload_selected(cfg.get("workload")):
         from kvbench.measure.sessions import workload_source
@@ -231,9 +233,10 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "compressor_facts": compressor.facts(context),
         "compressor_stats": codec.stats(),
         "model_loaded": handle.loaded,
+        **measuring,
         "git_sha": git_sha(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        NLL_KEY: (nll_base, nll_comp),  # the run directory's nll.npz, not the summary's
+        NLL_KEY: (nll_base, nll_comp, (recall_base, recall_comp, recall_of)),  # the run directory's nll.npz
     }
     return summary, dist.rows()
 

@@ -38,6 +38,7 @@ import torch
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
 from kvbench.core.compressor import Compressor
 from kvbench.core.kv import Context
+from kvbench.core.machine import conditions
 from kvbench.core.next_token import torch_threads
 from kvbench.inputs.capture import load_or_capture
 from kvbench.inputs.models import ModelHandle
@@ -144,7 +145,7 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
         "tokens": int(ids.size),
         "coded_tokens": n,
         "repeats": repeats,
-        "torch_threads": threads,
+        **conditions(threads, load_start[0]),
         "ids_exact": bool(torch.equal(decoded.tokens.reshape(-1).to(torch.int64), torch.from_numpy(ids))),
         **{f"{r['stage']}_s_per_token": r["s_per_token"] for r in rows},
         **{f"{r['stage']}_over_step": r["over_step"] for r in rows if r["stage"] != "step"},

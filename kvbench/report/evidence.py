@@ -5,11 +5,14 @@ Per study, ``<results>/evidence/<study>/`` holds one folder per run, named as it
     <run dir name>/
         summary.json | eval.json | ... | stepcost.json            the run's summary as written (its config inside)
         config.json                                              only for a summary written without its config
-        nll.npz                                                  the per-token paired NLLs, when the run has them
+        nll.npz                                                  the per-token paired NLLs (and the recall probe's),
+                                                                 when the run has them: report --check recomputes
+                                                                 the summary's delta NLLs from them
     manifest.json                                                the study: its runs, their code version, how to
                                                                  select its cells, the machine they ran on
 
-Traces, KV, fitted state and weights are never copied (a summary names its trace; it does not hold it). A study
+Traces, KV, fitted state and weights are never copied (a summary names its trace; it does not hold it). A run two
+studies publish is copied into each, and ``report --check`` requires the copies to be the same bytes. A study
 publishes runs of one code version of a clean tree: :func:`export` refuses several versions, or a ``-dirty`` one,
 unless ``allow_mixed`` (which the manifest records and each page built from it states).
 """
@@ -18,20 +21,20 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbench.core.machine import machine
 from kvbench.report.collect import SUMMARY_FILES, Collection, collect
 from kvbench.report.sections import SECTIONS, select
 from kvbench.store.atomic import staged_dir, write_json
 from kvbench.store.paths import results_root
 from kvbench.store.results import NLL_FILE, read_nll
 
-__all__ = ["NLL_FILE", "NOT_BACKED", "Evidence", "MixedCodeVersions", "evidence_root", "export", "load", "one_code_version",
-           "read_nll", "study_runs"]
+__all__ = ["NLL_FILE", "NOT_BACKED", "Evidence", "MixedCodeVersions", "evidence_root", "export", "load", "machine",
+           "one_code_version", "read_nll", "study_runs"]
 
 FOLDER = "evidence"
 MANIFEST = "manifest.json"
@@ -50,22 +53,6 @@ class MixedCodeVersions(ValueError):
 def evidence_root(results: str | os.PathLike | None = None) -> Path:
     """``<results root>/evidence``."""
     return results_root(results) / FOLDER
-
-
-def machine() -> str:
-    """The machine measuring: CPU, cores, torch and Python versions."""
-    cpu = platform.processor() or "?"
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
-                   cpu)
-    try:
-        import torch
-
-        version = torch.__version__
-    except ImportError:
-        version = "?"
-    return f"{cpu}, {os.cpu_count()} CPU cores, torch {version}, Python {platform.python_version()}"
 
 
 def _short(sha: str) -> str:

@@ -96,6 +96,18 @@ def hand_written(source: str) -> str:
     return re.sub(rf"(<!-- generated:\w+ .*?-->\n).*?\n?({close})", r"\1\2", source, flags=re.S)
 
 
+def only_blocks(text: str, tag: str) -> str:
+    """``text`` with every line outside its ``tag`` blocks' bodies emptied: what those blocks say, each on the line
+    of the file it stands on (so that a typed figure is named by the file's line)."""
+    close = re.escape(BLOCK_CLOSE.format(tag=tag))
+    kept = [m.span(1) for m in re.finditer(rf"<!-- {re.escape(tag)}:\w+ .*?-->\n(.*?)\n?{close}", text, re.S)]
+    out, at = [], 0
+    for a, b in kept:
+        out += ["\n" * text.count("\n", at, a), text[a:b]]
+        at = b
+    return "".join([*out, "\n" * text.count("\n", at)])
+
+
 def source_from_page(text: str) -> str:
     """A page's hand-written part as a source: generated blocks emptied, the evidence header and the line saying
     the page is not rebuilt from evidence taken out."""
@@ -176,7 +188,7 @@ def build(page: Page, results: str | os.PathLike | None = None, report_out: Path
         return built
     checked = hand_written(source)
     if page.literals == "findings":
-        checked = "\n".join(blocks(checked, "findings").values())
+        checked = only_blocks(checked, "findings")
     built.literals = refs.literal_figures(checked)
 
     def evidence(study: str) -> Evidence:

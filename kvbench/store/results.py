@@ -11,7 +11,8 @@ Every command that measures (``run``, ``eval``, ``latency``, ``restore``, ``step
         <kind table>       rows.parquet | eval.parquet | latency.parquet | restore.parquet | stepcost.parquet
         config.json        the resolved config
         nll.npz            for a run that scores held-out tokens: per scored window the base and compressed
-                           per-token NLLs, float32 (:func:`read_nll`), what its delta-NLL interval resamples
+                           per-token NLLs, float32 (:func:`read_nll`), what its delta-NLL interval resamples; and
+                           the long-range probe's, per copy span (``read_nll(dir, "recall")``)
 
 ``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
 version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a field added
@@ -84,7 +85,8 @@ ADDED_LATER = {
 
 
 #: the run directory's per-token NLLs, and the summary key a measuring function hands them under (never written into
-#: the summary: ``(base, compressed)``, one float array per scored window each)
+#: the summary: ``(base, compressed)``, one float array per scored window each, and optionally the long-range probe's
+#: ``(base, compressed, of)``: one array per copy span each, and the scored window each span follows)
 NLL_FILE = "nll.npz"
 NLL_KEY = "_nll_per_token"
 #: the summary key mapping a run directory's table and :data:`NLL_FILE` to their SHA-256 as written
@@ -94,9 +96,8 @@ REMEASURE = ("measure its run again (the same command with metrics.resume=false)
              "restore it with `git checkout`")
 
 
-def write_nll(path: Path, base: list, compressed: list) -> None:
-    """``path`` (an ``.npz``): per scored window the base and compressed per-token NLLs, concatenated as float32,
-    with the windows' ``offsets`` into them."""
+def _pairs(base: list, compressed: list) -> dict:
+    """Paired per-token NLL arrays concatenated as float32, and each array's ``offsets`` into them."""
     import numpy as np
 
     if len(base) != len(compressed) or any(len(b) != len(c) for b, c in zip(base, compressed)):
@@ -104,14 +105,29 @@ def write_nll(path: Path, base: list, compressed: list) -> None:
                          f"{[len(c) for c in compressed]} compressed tokens per window")
     offsets = np.cumsum([0, *(len(b) for b in base)]).astype(np.int64)
     cat = lambda xs: np.concatenate([np.asarray(x, np.float32).ravel() for x in xs]) if xs else np.zeros(0, np.float32)  # noqa: E731
-    np.savez_compressed(path, base=cat(base), compressed=cat(compressed), offsets=offsets)
+    return {"base": cat(base), "compressed": cat(compressed), "offsets": offsets}
 
 
-def read_nll(run_dir: Path) -> list[tuple]:
+def write_nll(path: Path, base: list, compressed: list, recall: tuple | None = None) -> None:
+    """``path`` (an ``.npz``): per scored window the base and compressed per-token NLLs, concatenated as float32,
+    with the windows' ``offsets`` into them. ``recall``: the long-range probe's ``(base, compressed, of)``, per copy
+    span its NLLs and the scored window it follows, stored as ``recall_base``, ``recall_compressed``,
+    ``recall_offsets`` and ``recall_of``. The NLLs are computed in float32, so the file holds them exactly."""
+    import numpy as np
+
+    arrays = _pairs(base, compressed)
+    if recall is not None and len(recall[0]):
+        rb, rc, of = recall
+        arrays |= {f"recall_{k}": v for k, v in _pairs(rb, rc).items()} | {"recall_of": np.asarray(of, np.int64)}
+    np.savez_compressed(path, **arrays)
+
+
+def read_nll(run_dir: Path, probe: str = "") -> list[tuple]:
     """Per scored window of a run (its directory, or its evidence), ``(base, compressed)`` per-token NLLs; empty
-    when the run has none. The file is checked against the hash its summary recorded (:data:`FILE_HASHES`; a summary
-    written before hashes were recorded has none to check by): a missing, empty, damaged or unreadable file is an
-    :class:`~kvbench.store.integrity.IntegrityError` naming it."""
+    when the run has none. ``probe="recall"``: per copy span of the long-range probe, ``(base, compressed, window)``
+    with the scored window it follows; empty when the run stored none. The file is checked against the hash its
+    summary recorded (:data:`FILE_HASHES`; a summary written before hashes were recorded has none to check by): a
+    missing, empty, damaged or unreadable file is an :class:`~kvbench.store.integrity.IntegrityError` naming it."""
     import zipfile
 
     import numpy as np
@@ -127,12 +143,17 @@ def read_nll(run_dir: Path) -> list[tuple]:
         raise damaged(f, "is empty", REMEASURE)
     if recorded:
         check_hash(f, recorded, REMEASURE, data)
+    pre = f"{probe}_" if probe else ""
     try:
         with np.load(io.BytesIO(data)) as z:
-            base, comp, off = z["base"], z["compressed"], z["offsets"]
+            if f"{pre}base" not in z.files:
+                return []
+            base, comp, off = z[f"{pre}base"], z[f"{pre}compressed"], z[f"{pre}offsets"]
+            of = z[f"{pre}of"].tolist() if probe else None
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise damaged(f, f"is not a readable per-token NLL file ({type(e).__name__}: {e})", REMEASURE) from e
-    return [(base[a:b], comp[a:b]) for a, b in zip(off[:-1], off[1:])]
+    spans = [(base[a:b], comp[a:b]) for a, b in zip(off[:-1], off[1:])]
+    return spans if of is None else [(b, c, w) for (b, c), w in zip(spans, of)]
 
 
 def recorded_hashes(run_dir: Path) -> dict[str, str]:

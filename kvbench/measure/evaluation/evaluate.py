@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
+from kvbench.core.machine import conditions
 from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.evaluation import ruler
@@ -193,6 +194,7 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
 
     ``specs`` replaces the tasks named in ``cfg.tasks`` with ready lm-eval task configs.
     """
+    measuring = conditions()  # the load before this run adds its own
     handle = handle or ModelHandle(cfg.model, cfg.device)
     lm, fit_s = build_lm(cfg, compressor, handle, progress)
     specs = specs if specs is not None else task_specs(list(cfg.tasks), cfg, handle.tokenizer)
@@ -201,7 +203,7 @@ def evaluate(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None
     for spec in specs:
         per_task[spec["task"]], task_rows = pair_task(spec, passes, lm)
         rows += task_rows
-    return summarise(cfg, compressor, lm, per_task, rows, fit_s, passes.eval_s), rows
+    return {**summarise(cfg, compressor, lm, per_task, rows, fit_s, passes.eval_s), **measuring}, rows
 
 
 def format_eval(s: dict) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.measure.metrics.intervals import NLL_TOLERANCE, verdict
-from kvbench.store.results import KINDS, newest_per_cell
+from kvbench.store.results import FILE_HASHES, KINDS, newest_per_cell
 
 # A run dir's summary file names its kind (kvbench.store.results.KINDS): compression cells, task accuracy, latency.
 SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
@@ -71,7 +71,8 @@ def _read_summary(path: Path) -> tuple[dict, dict]:
         raise ValueError(f"unreadable {path.name} ({type(e).__name__}: {e})") from e
     if not isinstance(summary, dict) or "compressor" not in summary:
         raise ValueError("not a kvbench summary (no 'compressor' key)")
-    row = _flatten({k: v for k, v in summary.items() if k not in ("config", "tasks", "rows")})
+    # file hashes guard the run's files; they are not measurements, so no table shows them
+    row = _flatten({k: v for k, v in summary.items() if k not in ("config", "tasks", "rows", FILE_HASHES)})
     cfg = summary.get("config")
     cfg_file = path.parent / "config.json"
     if not isinstance(cfg, dict) and cfg_file.exists():

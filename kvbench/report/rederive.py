@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbench.store.integrity import IntegrityError
 from kvbench.store.results import NLL_FILE, read_nll
 
 #: the summary of a run that scores held-out tokens (other kinds keep no per-token NLLs)
@@ -97,19 +98,24 @@ def recompute_run(run_dir: str | Path) -> tuple[list[str], list[str]]:
     if not (run_dir / SUMMARY).exists():
         return [], []
     summary = json.loads((run_dir / SUMMARY).read_text())
-    windows = read_nll(run_dir)
+    problems: list[str] = []
+    try:
+        windows = read_nll(run_dir)
+    except IntegrityError as e:  # an edited file: say so, then say what the edit changed
+        problems.append(str(e))
+        windows = read_nll(run_dir, check_hash_first=False)
     if not windows:
         scored = bool(summary.get("eval_tokens")) or bool(summary.get("recall_tokens"))
-        return [], [f"delta NLL not recomputed: no {NLL_FILE}"] if scored else []
+        return problems, [f"delta NLL not recomputed: no {NLL_FILE}"] if scored else []
     try:
         metrics = _metrics(run_dir, summary)
     except ValueError as e:
-        return [f"{NLL_FILE} cannot be checked: {e}"], []
+        return [*problems, f"{NLL_FILE} cannot be checked: {e}"], []
     wide = lambda xs: [np.asarray(x, np.float64) for x in xs]  # noqa: E731 - as the run held them
     docs = summary.get("eval_documents")
     got = task_loss(wide(b for b, _ in windows), wide(c for _, c in windows), metrics, docs)
-    problems = differences(summary, got, REQUIRED[""])
-    spans = read_nll(run_dir, "recall")
+    problems += differences(summary, got, REQUIRED[""])
+    spans = read_nll(run_dir, "recall", check_hash_first=False)
     if spans:
         got = recall_loss(wide(b for b, _, _ in spans), wide(c for _, c, _ in spans), metrics, docs,
                           [w for _, _, w in spans])

@@ -122,12 +122,14 @@ def write_nll(path: Path, base: list, compressed: list, recall: tuple | None = N
     np.savez_compressed(path, **arrays)
 
 
-def read_nll(run_dir: Path, probe: str = "") -> list[tuple]:
+def read_nll(run_dir: Path, probe: str = "", check_hash_first: bool = True) -> list[tuple]:
     """Per scored window of a run (its directory, or its evidence), ``(base, compressed)`` per-token NLLs; empty
     when the run has none. ``probe="recall"``: per copy span of the long-range probe, ``(base, compressed, window)``
     with the scored window it follows; empty when the run stored none. The file is checked against the hash its
     summary recorded (:data:`FILE_HASHES`; a summary written before hashes were recorded has none to check by): a
-    missing, empty, damaged or unreadable file is an :class:`~kvbench.store.integrity.IntegrityError` naming it."""
+    missing, empty, damaged or unreadable file is an :class:`~kvbench.store.integrity.IntegrityError` naming it.
+    ``check_hash_first=False`` reads a file that failed its hash anyway, for a check that then names what the edit
+    changed."""
     import zipfile
 
     import numpy as np
@@ -141,7 +143,7 @@ def read_nll(run_dir: Path, probe: str = "") -> list[tuple]:
     data = f.read_bytes()
     if not data:
         raise damaged(f, "is empty", REMEASURE)
-    if recorded:
+    if recorded and check_hash_first:
         check_hash(f, recorded, REMEASURE, data)
     pre = f"{probe}_" if probe else ""
     try:

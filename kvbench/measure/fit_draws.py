@@ -21,6 +21,7 @@ whose text cannot give such draws stops with an error saying so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,14 +95,14 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: Source, summary: dict,
-                recall_base: list[np.ndarray], recall_of: list[int]) -> dict:
+                recall_base: list[np.ndarray], recall_of: list[int], code: Callable, recall_probe: Callable) -> dict:
     """The summary fields of ``metrics.fit_draws`` (none where it is 1 or the coder fits nothing).
 
     ``summary`` is the run's own (draw 0): its ΔNLLs and per-token base NLLs; ``recall_base`` the recall probe's base
-    NLLs and ``recall_of`` the scored item each probe belongs to, as the run scored them.
+    NLLs and ``recall_of`` the scored item each probe belongs to, as the run scored them; ``code`` and
+    ``recall_probe`` the run's own coding and probe (:mod:`kvbench.measure.run`), so that every draw is coded and
+    probed as the run's own fit was.
     """
-    from kvbench.measure.run import code, recall_probe  # the run's own coding and probe, not a copy
-
     draws = fit_draws(cfg.metrics)
     if draws == 1 or not fits(compressor):
         return {}

@@ -236,7 +236,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         NLL_KEY: (nll_base, nll_comp),  # the run directory's nll.npz, not the summary's
     }
-    summary.update(draw_spread(cfg, compressor, handle, source, summary, recall_base, recall_of))
+    summary.update(draw_spread(cfg, compressor, handle, source, summary, recall_base, recall_of, code, recall_probe))
     return summary, dist.rows()
 
 

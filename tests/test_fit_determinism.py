@@ -14,10 +14,10 @@ import torch
 from conftest import tiny_llama
 
 from compressors.predictive import fit_numerics
-from kvbench.core.codec import state_bytes
+from kvbench.core.codec import decoder_for, state_bytes
 from kvbench.core.compressor import fits
 from kvbench.core.config import compose, make_compressor
-from kvbench.core.kv import KVSequence
+from kvbench.core.kv import Context, KVSequence
 from kvbench.inputs.capture import capture_window
 
 #: every fitted coder, at its default configuration and at the variants whose fit differs
@@ -36,16 +36,16 @@ CODERS = [
 
 @pytest.fixture(scope="module")
 def trace():
-    """A tiny random Llama (3 layers, 2 KV heads of 16) and three float16 calibration windows of 96 tokens, keys
-    captured before RoPE as well."""
+    """A tiny random Llama (3 layers, 2 KV heads of 16), three float16 calibration windows of 96 tokens and one to
+    code, keys captured before RoPE as well."""
     model = tiny_llama(seed=3, layers=3, kv_heads=2, head_dim=16)
     g = torch.Generator().manual_seed(11)
-    calib = []
-    for _ in range(3):
+    windows = []
+    for _ in range(4):
         ids = torch.randint(0, 128, (97,), generator=g)
         got = capture_window(model, ids, 96, torch.float16, pre_rope=True)
-        calib.append(KVSequence(got["k"], got["v"], ids[:96], got["k_pre_rope"]))
-    return model.config, calib
+        windows.append(KVSequence(got["k"], got["v"], ids[:96], got["k_pre_rope"]))
+    return model, windows[:3], windows[3]  # the last window is coded, never fitted on
 
 
 def _coder(name: str, overrides: list[str]):
@@ -65,7 +65,8 @@ def _fitted_state(name: str, overrides: list[str], config, calib: list[KVSequenc
 
 @pytest.mark.parametrize(("name", "overrides"), CODERS, ids=[" ".join([n, *o]) for n, o in CODERS])
 def test_fitted_state_is_the_same_bytes_whatever_the_arithmetics_order(trace, name, overrides):
-    config, calib = trace
+    model, calib, _ = trace
+    config = model.config
     assert fits(_coder(name, overrides))
     reference = _fitted_state(name, overrides, config, calib, threads=1)
     assert reference, f"{name} {overrides} fitted no state"
@@ -87,3 +88,16 @@ def test_another_path_really_changes_float64_sums():
         other = fit_numerics.gemm(a, b)
     assert not torch.equal(plain, other)
     assert torch.allclose(plain, other, rtol=1e-12, atol=1e-12 * float(plain.abs().max()))
+
+
+@pytest.mark.parametrize(("name", "overrides"), CODERS, ids=[" ".join([n, *o]) for n, o in CODERS])
+def test_the_fitted_encoder_codes_with_the_stored_state_alone(trace, name, overrides):
+    """The encoder that fitted and an encoder rebuilt from the state bytes write the same stream: the encoder uses
+    the stored (rounded) state, never the unrounded fit, so encoder and decoder agree bit for bit."""
+    model, calib, kv = trace
+    config = model.config
+    comp = _coder(name, overrides)
+    comp.fit(calib, config=config)
+    rebuilt = decoder_for(comp, state_bytes(comp))
+    ctx = Context.for_kv(kv, model if comp.needs_model else None, config)
+    assert comp.encode(kv, ctx).data == rebuilt.encode(kv, ctx).data

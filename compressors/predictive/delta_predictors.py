@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from compressors.predictive import fit_numerics
 from compressors.predictive.integer_weights import FRACTION_BITS, QuantizedWeights, exact_matmul, fixed_point, solve
 from kvbench.coding.bitstream import BitstreamError
 
@@ -206,8 +207,9 @@ class Linear(_Weighted):
             feats = [xd[:, :, order - 1 - j : T - 1 - j] for j in range(order)] + [torch.ones_like(xd[:, :, order:])]
             Z = torch.stack(feats, dim=-1)  # (L, H, T-p, D, p+1)
             y = xd[:, :, order:]  # (L, H, T-p, D)
-            g = torch.einsum("lhtdi,lhtdj->lhdij", Z, Z)
-            r = torch.einsum("lhtdi,lhtd->lhdi", Z, y)
+            Zt = Z.permute(0, 1, 3, 4, 2)  # (L, H, D, p+1, T-p)
+            g = fit_numerics.gemm(Zt, Zt.transpose(-1, -2))  # (L, H, D, p+1, p+1)
+            r = fit_numerics.gemm(Zt, y.permute(0, 1, 3, 2).unsqueeze(-1))[..., 0]  # (L, H, D, p+1)
             G, R = (g, r) if G is None else (G + g, R + r)
         if G is None:
             raise ValueError(f"delta: calibration sequences are too short for order={order}")
@@ -267,7 +269,7 @@ class CrossLayer(_Weighted):
             L, H, T, D = x.shape
             flat = x.double().permute(0, 2, 1, 3).reshape(L, T, H * D)  # (L, T, H*D)
             Z = torch.cat([flat[:-1], torch.ones(L - 1, T, 1, dtype=torch.float64)], dim=-1)  # (L-1, T, H*D+1)
-            g, r = Z.transpose(1, 2) @ Z, Z.transpose(1, 2) @ flat[1:]
+            g, r = fit_numerics.gemm(Z.transpose(1, 2), Z), fit_numerics.gemm(Z.transpose(1, 2), flat[1:])
             G, R = (g, r) if G is None else (G + g, R + r)
         return QuantizedWeights.from_real(solve(G, R), self.weight_bits)
 

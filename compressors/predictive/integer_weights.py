@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from compressors.predictive import fit_numerics
 from kvbench.coding.bitstream import BitstreamError
 from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
 
@@ -38,10 +38,14 @@ class QuantizedWeights:
     def from_real(cls, W: torch.Tensor, bits: int) -> QuantizedWeights:
         """Round per output column to ``bits``-bit integers with the largest power-of-two scale that fits."""
         top = 2 ** (bits - 1) - 1
+        W = W.double()
         peak = W.abs().amax(dim=-2)  # (..., n_out)
-        shift = torch.where(peak > 0, torch.floor(torch.log2(top / peak.clamp_min(1e-300))), torch.zeros_like(peak))
-        shift = shift.clamp(-64, 63).to(torch.int64)
-        w = torch.round(W * torch.pow(2.0, shift.double()).unsqueeze(-2)).clamp(-top, top).to(torch.int64)
+        # floor(log2(top / peak)) from the exponent alone: a vectorised log2 may be an ulp off on another machine,
+        # and at a power of two that would move the scale (frexp: top / peak = m * 2**e, m in [0.5, 1))
+        _, e = torch.frexp(top / peak.clamp_min(1e-300))
+        shift = torch.where(peak > 0, e - 1, torch.zeros_like(e)).clamp(-64, 63).to(torch.int64)
+        # W * 2**shift is exact; only W's own last bits (float64 sums, see fit_numerics) could move a rounding
+        w = torch.round(torch.ldexp(W, shift.double().unsqueeze(-2))).clamp(-top, top).to(torch.int64)
         return cls(w, shift, bits)
 
     def to_bytes(self) -> tuple[bytes, int]:
@@ -99,12 +103,9 @@ def exact_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def solve(G: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
-    """Ridge least squares from normal equations ``G`` (..., n, n) and ``R`` (..., n, m).
-
-    Solved in numpy: torch's batched ``linalg.solve`` runs MKL's threaded LU inside its own OpenMP loop over the
-    batch, and that nesting can spin forever on two cores (seen with 29 systems of 193 unknowns).
-    """
+    """Ridge least squares from normal equations ``G`` (..., n, n) and ``R`` (..., n, m), float64, one system at a
+    time (:func:`compressors.predictive.fit_numerics.solve`)."""
     n = G.shape[-1]
+    G = G.double()
     lam = RIDGE * G.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    A = (G + lam[..., None, None] * torch.eye(n, dtype=G.dtype)).numpy()
-    return torch.from_numpy(np.linalg.solve(A, R.numpy())).to(G.dtype)
+    return fit_numerics.solve(G + lam[..., None, None] * torch.eye(n, dtype=torch.float64), R)

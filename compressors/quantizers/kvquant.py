@@ -27,6 +27,11 @@ Simplified or left out: scales and outlier thresholds are computed per window at
 the key scales offline and computes value scales online); no Q-Norm, no attention-sink token kept in 16 bit, and
 no sensitivity weighting of the k-means.
 
+The fit is the same bytes on any machine: the histograms are integer counts (any order of windows adds them
+alike) and Lloyd's iterations run in float64 on fixed bin centres, rounded once to the stored float32. Its one
+input computed with the machine's vector math is RoPE's cos and sin table (undone on the calibration keys), as in
+the model's own forward pass.
+
 Fitting the key codebooks on pre-RoPE keys needs those keys: ``fit`` takes them from the calibration windows
 (``capture.pre_rope=true``) or undoes RoPE itself when it is given the model config. Without either it fits on
 the cached (post-RoPE) keys, warns, and says so in :meth:`KVQuant.stats`.

@@ -39,7 +39,10 @@ class ScalarCode:
     def quantize(self, z: np.ndarray, what: str) -> tuple[bytes, list[tuple[int, bytes]], np.ndarray]:
         """Rotated rows ``z`` ``(n, d)`` float32 -> float16 norms, packed codes per group ``[(bits, bytes)]`` and the
         reconstruction ``(n, d)`` float32 (the decoder's arithmetic, so the two agree bit for bit)."""
-        norm = np.sqrt(np.einsum("ij,ij->i", z, z))  # (n,)
+        # in float64: a float32 sum's last bit depends on the machine's SIMD order, and float16 norms round it
+        # differently every few thousand vectors; a float64 one's almost never
+        z64 = z.astype(np.float64)
+        norm = np.sqrt(np.einsum("ij,ij->i", z64, z64))  # (n,)
         with np.errstate(over="ignore"):  # an overflow is reported below
             stored = norm.astype(np.float16)
         if not np.isfinite(stored).all():
@@ -47,7 +50,7 @@ class ScalarCode:
                 raise ValueError(f"aquakv: the {what} residual has non-finite values (inf or nan); nothing to quantize")
             raise ValueError(f"aquakv: a {what} residual norm exceeds the float16 maximum 65504")
         inv = np.divide(1.0, norm, out=np.zeros_like(norm), where=norm > 0)  # a zero vector stays zero
-        u = z * inv[:, None]  # (n, d) unit vectors
+        u = (z64 * inv[:, None]).astype(np.float32)  # (n, d) unit vectors
         rec = np.empty_like(z)
         codes = []
         for start, stop, b, centroids, thresholds in self.groups:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from compressors.predictive import fit_numerics
 from compressors.predictive.integer_weights import QuantizedWeights
 
 
@@ -16,20 +17,17 @@ def ridge_fit(X: np.ndarray, Y: np.ndarray, ridge: float) -> np.ndarray:
     """``W`` ``(n_in + 1, n_out)`` float64 minimising ``||Y − [X, 1] W||² + λ||W||²``, ``λ = ridge · mean diag(G)``
     with ``G = [X, 1]ᵀ[X, 1]``.
 
-    ``X`` ``(N, n_in)``, ``Y`` ``(N, n_out)``. Normal equations in float64, one system at a time (a batched solve
-    can spin forever on two cores, see :func:`compressors.predictive.integer_weights.solve`), in torch (see
-    :func:`one_thread`); least squares where ``ridge=0`` leaves them singular.
+    ``X`` ``(N, n_in)``, ``Y`` ``(N, n_out)``. Normal equations in float64 and their solve, one system at a time
+    (:mod:`compressors.predictive.fit_numerics`: the stored 8-bit weights then round the same on any machine);
+    least squares where ``ridge=0`` leaves them singular.
     """
     Xa = torch.empty((X.shape[0], X.shape[1] + 1), dtype=torch.float64)
     Xa[:, :-1] = torch.from_numpy(X)
     Xa[:, -1] = 1.0  # the bias input
-    G = Xa.T @ Xa  # (n_in + 1, n_in + 1)
-    R = Xa.T @ torch.from_numpy(Y).double()  # (n_in + 1, n_out)
+    G = fit_numerics.gemm(Xa.T, Xa)  # (n_in + 1, n_in + 1)
+    R = fit_numerics.gemm(Xa.T, torch.from_numpy(Y))  # (n_in + 1, n_out)
     G.diagonal().add_(ridge * max(float(G.diagonal().mean()), 1e-12))
-    try:
-        return torch.linalg.solve(G, R).numpy()
-    except torch.linalg.LinAlgError:
-        return torch.linalg.lstsq(G, R, driver="gelsd").solution.numpy()
+    return fit_numerics.solve(G, R).numpy()
 
 
 def real_weights(q: QuantizedWeights) -> torch.Tensor:
@@ -38,14 +36,18 @@ def real_weights(q: QuantizedWeights) -> torch.Tensor:
 
 
 def predict(W: torch.Tensor, *inputs: np.ndarray) -> np.ndarray:
-    """``[x_1, ..., x_k, 1] · W`` for inputs ``(T, n_i)`` and ``W`` ``(sum n_i + 1, n_out)``: ``(T, n_out)`` float32."""
-    out = None
+    """``[x_1, ..., x_k, 1] · W`` for inputs ``(T, n_i)`` and ``W`` ``(sum n_i + 1, n_out)``: ``(T, n_out)`` float32.
+
+    Summed in float64 and rounded to float32 once (:func:`compressors.predictive.fit_numerics.gemm`): a float32
+    sum's last bit depends on the machine's BLAS, and the fit's closed loop would carry it into the codes of every
+    later layer and into the fitted weights.
+    """
+    out = W[-1].double()
     row = 0
-    for x in inputs:  # one matmul per input block: no concatenated copy of the inputs
-        w = W[row : row + x.shape[1]]
-        out = torch.addmm(W[-1], torch.from_numpy(x), w) if out is None else out.addmm_(torch.from_numpy(x), w)
+    for x in inputs:  # one product per input block: no concatenated copy of the inputs
+        out = out + fit_numerics.gemm(torch.from_numpy(x), W[row : row + x.shape[1]])  # (T, n_out)
         row += x.shape[1]
-    return out.numpy()
+    return out.float().numpy()
 
 
 @contextmanager

@@ -54,7 +54,9 @@ Choices the paper leaves open or that differ from it:
 Codec state (:meth:`Kvtc.state`, charged once per run): per kind the means (float16), the kept basis columns
 (float16), the widths (4 bits each), the kept components' σ (float16), the steps Δ_w (float32) and the histograms
 (16-bit frequencies). The encoder codes with the state as parsed back from those bytes, so both sides use the very
-same numbers.
+same numbers. The fit gives the same bytes on any machine: covariances and coefficients are float64 sums rounded
+once to the stored precision, each axis's sign is fixed (an eigensolver's is arbitrary), see
+:mod:`compressors.predictive.fit_numerics` and ``tests/test_fit_determinism.py``.
 
 Calibration keys come from ``fit(calib, config=...)`` with RoPE undone at positions from 0 (calibration windows start
 a sequence), or from pre-RoPE keys captured with the windows (``capture.pre_rope=true``).

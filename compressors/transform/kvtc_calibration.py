@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compressors.predictive import fit_numerics
 from kvbench.coding.bitstream import varints
 from kvbench.coding.packing import pack_codes, tensor_to_bytes
 from kvbench.core.compressor import Section
@@ -77,32 +78,24 @@ def allocate_uniform(variance: np.ndarray, budget: int, max_width: int = MAX_WID
 # ---- calibration helpers --------------------------------------------------------------------------------------
 
 
-def _eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # A few hundred dimensions: one thread is several times faster than two fighting for a loaded machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.linalg.eigh(a)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def principal_axes(x: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Principal axes of centred samples ``x`` ``(N, d)``: ``(variances (r,), axes (d, r))``, largest first.
 
-    Uses the covariance when ``N >= d`` and the Gram matrix otherwise (then at most N axes exist), in float64.
+    Uses the covariance when ``N >= d`` and the Gram matrix otherwise (then at most N axes exist), in float64, each
+    axis's sign fixed (:func:`compressors.predictive.fit_numerics.eigh`): the same basis, rounded to float16, on any
+    machine.
     """
     x = x.double()
     n, d = x.shape
     if n >= d:
-        var, axes = _eigh(x.T @ x / n)  # (d,), (d, d), ascending
+        var, axes = fit_numerics.eigh(fit_numerics.gemm(x.T, x) / n)  # (d,), (d, d), ascending
         var, axes = var.flip(0), axes.flip(1)
     else:
-        var, u = _eigh(x @ x.T / n)  # (N,), (N, N)
+        var, u = fit_numerics.eigh(fit_numerics.gemm(x, x.T) / n)  # (N,), (N, N)
         var, u = var.flip(0), u.flip(1)
         keep = var > var[0].clamp_min(1e-300) * 1e-12
         var, u = var[keep], u[:, keep]
-        axes = x.T @ u / torch.sqrt(var * n)  # (d, r): the right singular vectors
+        axes = fit_numerics.canonical_signs(fit_numerics.gemm(x.T, u) / torch.sqrt(var * n))  # (d, r): right singular vectors
     var = var.clamp_min(0)
     r = axes.shape[1] if rank is None else min(rank, axes.shape[1])
     return var[:r], axes[:, :r]
@@ -203,8 +196,12 @@ def analyse(x: torch.Tensor, scope: str, rank: int | None) -> Fitted:
         axes = [principal_axes(xc.permute(0, 2, 1).reshape(U * N, d), rank)[1]]
     r = min(a.shape[1] for a in axes)
     basis = torch.stack([a[:, :r] for a in axes]).to(torch.float16)  # (G, d, r)
-    coef = (basis.transpose(1, 2).float() @ xc.float()).numpy()  # (U, r, N) float32
-    sigma = np.sqrt(np.mean(np.square(coef, dtype=np.float64), axis=2))  # (U, r)
+    # float64 sums rounded once (fit_numerics): the stored sigma (float16) and the histograms then come out the
+    # same on any machine, where float32 sums would move a float16 rounding every few thousand components
+    coef64 = fit_numerics.gemm(basis.transpose(1, 2), xc).numpy()  # (U, r, N)
+    coef = coef64.astype(np.float32)  # (U, r, N)
+    sigma = np.sqrt(np.mean(np.square(coef64), axis=2))  # (U, r)
+    del coef64
     sigma = sigma.astype(np.float16).astype(np.float64)  # as stored
     live = sigma > 0
     z = (coef[live] / sigma[live][:, None]).reshape(-1)

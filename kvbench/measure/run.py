@@ -31,6 +31,7 @@ from kvbench.inputs.capture import cache_dtype, load_or_capture, split_windows
 from kvbench.inputs.data import load_documents
 from kvbench.inputs.models import ModelHandle
 from kvbench.inputs.workloads import selected as workload_selected
+from kvbench.measure.fit_draws import draw_spread
 from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.measure.metrics.intervals import NLL_TOLERANCE, detectable_from_ci, document_bootstrap_ci, verdict
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
@@ -238,6 +239,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         NLL_KEY: (nll_base, nll_comp, (recall_base, recall_comp, recall_of)),  # the run directory's nll.npz
     }
+    summary.update(draw_spread(cfg, compressor, handle, source, summary, recall_base, recall_of, code, recall_probe))
     return summary, dist.rows()
 
 

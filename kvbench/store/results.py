@@ -81,6 +81,7 @@ ADDED_LATER = {
     ("dataset", "split"): "test",
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
+    ("metrics", "fit_draws"): 1,
 }
 
 

@@ -61,6 +61,8 @@ class Recompute(Compressor):
 
     threads: int = 1
 
+    # a CRC-32 of the decoded ids: a changed coded word that alters them is refused
+    content_check = True
     name = "recompute"
     family = "exact"
     needs_model = True

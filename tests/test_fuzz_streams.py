@@ -32,15 +32,27 @@ What a decoder must do with a section mutation:
      coder's decoder does not know what the encoder saw, so there is nothing to compare a changed value with;
      two self-delimiting streams of one shape, such as K's and V's residuals, cannot tell which is which), and a
      different decode of the right shape is what such a format means; where the change still makes a length
-     inconsistent the decoder must say so (rule 1). A format that carries a content check (a ``crc`` section:
-     recompute, speculative) must reject any payload change that alters its decode.
+     inconsistent the decoder must say so (rule 1). A format that carries a content check (its class says
+     ``content_check``: a checksum of what the decoder rebuilds) must reject any payload change that alters its
+     decode.
 
    One exception is known and tallied as such (:func:`known_limit`): a range-coded stream followed by raw bytes in
    one section (delta's residuals), extended by exactly one 32-bit word.
 
-Marked ``fuzz``; the example counts are fixed and the search derandomised, so a run is reproducible.
-``KVBENCH_FUZZ_EXAMPLES`` scales them (scripts/reliability.py runs more) and ``KVBENCH_FUZZ_TALLY`` names a file
-that gets one JSON line per example (what was tried and what the decoder did).
+What is counted: only a section mutation reaches a decoder (a frame mutation is refused by the frame's checksum
+before any decoder runs; those are tallied apart). Each test of a compressor decodes a fixed number of *distinct*
+mutated streams whose frame (and an embedded stream's) parses and checks, skips a stream it already decoded, and
+fails when fewer than that number reached the decoder. How many (:func:`targets`):
+
+- the dedicated fuzz run, ``pytest -m fuzz``: :data:`DEDICATED` for every compressor (:data:`DEDICATED` / 2 frame
+  mutations), the count scripts/reliability.py publishes in results/reliability.md;
+- any other run (``make test``): :data:`DEFAULT`, fewer for the decoders in :data:`SLOW`, so the whole suite keeps
+  its time;
+- ``KVBENCH_FUZZ_EXAMPLES=N`` overrides both: ``N`` for every compressor.
+
+The search is derandomised, so a run is reproducible. ``KVBENCH_FUZZ_TALLY`` names a file that gets one JSON line
+per mutated stream (what was tried and what the decoder did) and one per test and compressor (``test: "case"``: the
+config, its overrides, the counts asked for and the class's ``content_check``); scripts/reliability.py files them.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import hashlib
 import json
 import linecache
 import os
@@ -61,7 +74,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stream_cases import ALL, VARIANTS, build
+from stream_cases import ALL, VARIANTS, Case, build
 
 from compressors.exact.identity import Identity
 from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
@@ -74,9 +87,13 @@ pytestmark = pytest.mark.fuzz
 CASES = ALL + list(VARIANTS)
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = int(os.environ.get("KVBENCH_FUZZ_EXAMPLES", "24"))
-#: decoders that run the model one token at a time: fewer examples
+#: distinct mutated streams that reach each compressor's decoder in the dedicated run (``pytest -m fuzz``)
+DEDICATED = 200
+#: and in any other run; fewer for decoders that run the model one token at a time
+DEFAULT = 24
 SLOW = {"recompute": 4, "speculative": 4}
+#: the tally's outcome of a section mutation whose stream a frame would refuse (not decoded, not counted)
+FRAME_REFUSED = "refused by a frame"
 #: address space a decode may add, far above what the cases' shapes justify (their caches are under 1 MB)
 MEMORY = 768 << 20
 #: CPU seconds a decode may take before it counts as a hang (a valid one takes well under a second)
@@ -84,6 +101,20 @@ CPU_SECONDS = 60
 
 STRUCTURE = ("truncate", "extend", "drop", "add", "rename", "varint")
 PAYLOAD = ("flip", "overwrite", "swap")
+
+
+def targets(config: pytest.Config, name: str) -> tuple[int, int]:
+    """(section mutations that must reach the decoder, frame mutations) for compressor ``name`` in this run: see
+    the module docstring."""
+    if os.environ.get("KVBENCH_FUZZ_EXAMPLES"):
+        n = int(os.environ["KVBENCH_FUZZ_EXAMPLES"])
+        if n < 2:
+            raise ValueError(f"KVBENCH_FUZZ_EXAMPLES={n}: at least 2 mutated streams per compressor")
+    elif (config.option.markexpr or "").strip() == "fuzz":
+        n = DEDICATED
+    else:
+        return SLOW.get(name, DEFAULT), DEFAULT // 2
+    return n, max(2, n // 2)
 
 
 class Hang(Exception):
@@ -190,12 +221,15 @@ def _bits(raw: bytes) -> int:
 
 @st.composite
 def section_mutation(draw, data: bytes, depth: int = 0) -> Mutation:
-    """A mutated copy of the stream ``data`` with its frame rebuilt (checksum recomputed)."""
+    """A mutated copy of the stream ``data`` with its frame rebuilt (checksum recomputed). A stream embedded whole
+    in a section has its bytes changed only inside it, its own frame rebuilt too (``nested``): a byte changed in
+    place would meet that frame's checksum, not the decoder."""
     name, secs = _parse(data)
     names = list(secs)
-    nonempty = [n for n in names if secs[n][0]]
-    headers = {n: v for n in names if (v := _header_values(secs[n][0])) is not None}
-    nested = [n for n in names if depth == 0 and _embedded(secs[n][0])]
+    embedded = [n for n in names if _embedded(secs[n][0])]
+    nonempty = [n for n in names if secs[n][0] and n not in embedded]
+    headers = {n: v for n in names if n not in embedded and (v := _header_values(secs[n][0])) is not None}
+    nested = embedded if depth == 0 else []
     ops = [*(("flip", "overwrite", "truncate") if nonempty else ()), "extend", "add"]
     ops += [*(("drop", "rename") if names else ()), *(("swap",) if len(names) > 1 else ())]
     ops += [*(("varint",) if headers else ()), *(("nested",) if nested else ())]
@@ -206,8 +240,9 @@ def section_mutation(draw, data: bytes, depth: int = 0) -> Mutation:
         inner = draw(section_mutation(secs[target][0], depth + 1))
         out[target] = (inner.data, _bits(inner.data))
         return Mutation(f"nested:{inner.op}", f"{target}/{inner.section}", Bitstream.pack(name, out).data, inner.kind)
+    extendable = [n for n in names if n not in embedded] or [""]
     target = draw(st.sampled_from({"flip": nonempty, "overwrite": nonempty, "truncate": nonempty,
-                                   "varint": sorted(headers)}.get(op, names or [""])))
+                                   "extend": extendable, "varint": sorted(headers)}.get(op, names or [""])))
     raw, nbits = secs.get(target, (b"", 0))
     if op == "flip":
         bit = draw(st.integers(0, 8 * len(raw) - 1))
@@ -263,6 +298,17 @@ def _tally(**row) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _tally_case(case: Case, test: str, reach: int, frame: int) -> None:
+    """The tally's line for one test of one compressor: what the stream is and how many mutations are asked for."""
+    config, overrides = VARIANTS.get(case.name, (case.name, ()))
+    _tally(compressor=case.name, test="case", of=test, config=config, overrides=list(overrides), reach=reach,
+           frame=frame, content_check=bool(type(case.decoder).content_check), stream_bytes=len(case.stream.data))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) and (
         (x.kept is None and y.kept is None) or (x.kept is not None and y.kept is not None and torch.equal(x.kept, y.kept)))
@@ -285,8 +331,9 @@ def known_limit(case, m: Mutation) -> str | None:
 def judge(case, m: Mutation, test: str) -> str:
     """Decode ``m`` on the case's decoder and hold the result to the rules of the module docstring; returns the
     outcome (and tallies it), fails the test otherwise."""
-    checked = "crc" in _parse(case.stream.data)[1]
-    row = {"compressor": case.name, "test": test, "op": m.op, "kind": m.kind, "section": m.section}
+    checked = type(case.decoder).content_check
+    row = {"compressor": case.name, "test": test, "op": m.op, "kind": m.kind, "section": m.section,
+           "stream": _digest(m.data)}
     try:
         with bounded():
             got = case.decode(m.data)
@@ -333,12 +380,14 @@ def _settings(examples: float):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_frame_mutations_are_rejected_by_the_frame(name):
+def test_frame_mutations_are_rejected_by_the_frame(name, request):
     """Storage corruption: any flipped bit, truncation or extension fails the frame's checks."""
     case = build(name)
     data = case.stream.data
+    frame = targets(request.config, name)[1]
+    _tally_case(case, "frame", 0, frame)
 
-    @_settings(EXAMPLES / 2)  # cheap: the frame rejects them before any decoder runs
+    @_settings(frame)  # cheap: the frame rejects them before any decoder runs
     @given(st.data())
     def check(draw):
         op = draw.draw(st.sampled_from(["flip", "truncate", "extend"]))
@@ -355,23 +404,47 @@ def test_frame_mutations_are_rejected_by_the_frame(name):
             case.decode(bad)
         ours, where = _raised_by_a_raise_statement(e.value)
         assert ours and "kvbench/coding/bitstream.py" in where, where
-        _tally(compressor=name, test="frame", op=op, kind="frame", section="", outcome="rejected: BitstreamError",
-               detail=str(e.value)[:200])
+        _tally(compressor=name, test="frame", op=op, kind="frame", section="", stream=_digest(bad),
+               outcome="rejected: BitstreamError", detail=str(e.value)[:200])
 
     check()
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_section_mutations_are_rejected_or_harmless(name):
-    """A rebuilt frame around mutated sections: rejected with a clear error, or a decode the rules allow."""
+def test_section_mutations_are_rejected_or_harmless(name, request):
+    """A rebuilt frame around mutated sections: rejected with a clear error, or a decode the rules allow; the
+    asked number of distinct mutated streams, each behind a valid frame, reaches the decoder."""
     case = build(name)
+    reach = targets(request.config, name)[0]
+    _tally_case(case, "sections", reach, 0)
+    reached: set[bytes] = set()
 
-    @_settings(SLOW.get(name, 24) * EXAMPLES / 24)
+    # a few more draws than streams asked for: hypothesis draws the odd stream twice, decoded only once
+    @_settings(reach + reach // 4 + 4)
     @given(section_mutation(case.stream.data))
     def check(m):
+        digest = hashlib.sha256(m.data).digest()
+        if len(reached) >= reach or digest in reached:
+            return
+        if not _behind_valid_frames(m.data):  # not counted: a checksum, not the decoder, would meet it
+            _tally(compressor=name, test="sections", op=m.op, kind=m.kind, section=m.section, stream=_digest(m.data),
+                   outcome=FRAME_REFUSED)
+            return
+        reached.add(digest)
         judge(case, m, "sections")
 
     check()
+    if len(reached) < reach:
+        pytest.fail(f"{name}: {len(reached)} distinct mutated streams reached the decoder of {reach} asked for")
+
+
+def _behind_valid_frames(data: bytes) -> bool:
+    """Whether the frame of ``data`` and that of every stream embedded whole in one of its sections (a section
+    that starts as a stream does) parse and check: then the decoder, not a frame, meets the mutation."""
+    try:
+        return all(_parse(raw)[0] is not None for raw, _ in _parse(data)[1].values() if raw[:3] == b"KVB")
+    except BitstreamError:
+        return False
 
 
 class _Lax(Identity):

@@ -95,6 +95,8 @@ DEFAULT = 24
 SLOW = {"recompute": 4, "speculative": 4}
 #: the tally's outcome of a section mutation whose stream a frame would refuse (not decoded, not counted)
 FRAME_REFUSED = "refused by a frame"
+#: how a frame's checksum refuses a stream (kvbench.coding.bitstream): never the fate of a counted mutation
+CHECKSUM = "bitstream checksum mismatch"
 #: address space a decode may add, far above what the cases' shapes justify (their caches are under 1 MB)
 MEMORY = 768 << 20
 #: CPU seconds a decode may take before it counts as a hang (a valid one takes well under a second)
@@ -384,6 +386,9 @@ def judge(case, m: Mutation, test: str) -> str:
             _tally(**row, outcome="failure", detail=f"{type(e).__name__} not raised by kvbench: {where}: {e}")
             pytest.fail(f"{case.name}, {m.op} of {m.section}: {type(e).__name__} ({e}) comes from {where}, not from "
                         "a check of kvbench or the compressor that names what is wrong")
+        if str(e).startswith(CHECKSUM):  # the mutation was counted as reaching the decoder; a frame met it
+            _tally(**row, outcome="failure", detail=f"a frame's checksum refused it: {where}")
+            pytest.fail(f"{case.name}, {m.op} of {m.section}: a frame's checksum refused it ({where}), not the decoder")
         outcome = "rejected: BitstreamError" if isinstance(e, BitstreamError) else "rejected: ValueError"
         _tally(**row, outcome=outcome, detail=str(e)[:200])
         return outcome

@@ -41,8 +41,9 @@ What a decoder must do with a section mutation:
 
 What is counted: only a section mutation reaches a decoder (a frame mutation is refused by the frame's checksum
 before any decoder runs; those are tallied apart). Each test of a compressor decodes a fixed number of *distinct*
-mutated streams whose frame (and an embedded stream's) parses and checks, skips a stream it already decoded, and
-fails when fewer than that number reached the decoder. How many (:func:`targets`):
+mutated streams whose every frame (its own, an embedded stream's, that of a stream stored as sections around a
+``P/frame``) parses and checks, skips a stream it already decoded, and fails when fewer than that number reached
+the decoder, or when a frame's checksum refused one it counted. How many (:func:`targets`):
 
 - the dedicated fuzz run, ``pytest -m fuzz``: :data:`DEDICATED` for every compressor (:data:`DEDICATED` / 2 frame
   mutations), the count scripts/reliability.py publishes in results/reliability.md;
@@ -225,8 +226,8 @@ def _resplit(secs: dict[str, tuple[bytes, int]], prefix: str, data: bytes) -> di
     stored = Bitstream.from_bytes(data)
     payloads = stored.sections()
     body = sum(len(raw) for raw in payloads.values())
-    group = {f"{prefix}frame": (data[: len(data) - 4 - body] + data[-4:], _bits(data[: len(data) - 4 - body] + data[-4:])),
-             **{f"{prefix}{n}": (raw, stored.parts[n]) for n, raw in payloads.items()}}
+    frame = data[: len(data) - 4 - body] + data[-4:]  # its header and checksum
+    group = {f"{prefix}frame": (frame, _bits(frame)), **{f"{prefix}{n}": (raw, stored.parts[n]) for n, raw in payloads.items()}}
     out: dict[str, tuple[bytes, int]] = {}
     for n, v in secs.items():
         if not n.startswith(prefix):

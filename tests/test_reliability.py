@@ -80,19 +80,17 @@ def test_the_dedicated_run_asks_for_the_published_count_and_make_test_for_fewer(
     assert targets(run(""), "recompute") == targets(run("fuzz"), "identity") == (7, 3)
 
 
-def test_the_page_is_rebuilt_from_the_reliability_evidence_and_passes_the_check(tmp_path, monkeypatch, capsys):
+def test_the_page_is_rebuilt_from_the_reliability_evidence_and_passes_the_check(tmp_path, capsys):
     script = _script()
     root = tmp_path / "results"
     lines = [line for case in CASES for line in tally(case, checked=case in ("recompute", "speculative"))]
     found = script.summaries(lines, {case: (True, 2.0) for case in CASES})
     (root / "evidence" / "pages").mkdir(parents=True)
     shutil.copy(SOURCE, root / "evidence" / "pages" / "reliability.md")
-    monkeypatch.setattr(script, "git_sha", lambda: "0123456789abcdef-dirty")
-    dirty = script.file_runs(found, tmp_path / "sweeps")
+    dirty = script.file_runs(found, tmp_path / "sweeps", "0123456789abcdef-dirty")
     assert script.publish(dirty, root, allow_mixed=False, wall_min=None) == 1  # a dirty tree is not published
     assert "dirty" in capsys.readouterr().err and not (root / "reliability.md").exists()
-    monkeypatch.setattr(script, "git_sha", lambda: "0123456789abcdef")
-    dirs = script.file_runs(found, tmp_path / "sweeps")
+    dirs = script.file_runs(found, tmp_path / "sweeps", "0123456789abcdef")
     assert sorted(json.loads((d / "reliability.json").read_text())["case"] for d in dirs) == sorted(CASES)
     assert script.publish(dirs, root, allow_mixed=False, wall_min=0.1) == 0
     shutil.rmtree(tmp_path / "sweeps")  # the page needs the evidence only

@@ -32,15 +32,28 @@ What a decoder must do with a section mutation:
      coder's decoder does not know what the encoder saw, so there is nothing to compare a changed value with;
      two self-delimiting streams of one shape, such as K's and V's residuals, cannot tell which is which), and a
      different decode of the right shape is what such a format means; where the change still makes a length
-     inconsistent the decoder must say so (rule 1). A format that carries a content check (a ``crc`` section:
-     recompute, speculative) must reject any payload change that alters its decode.
+     inconsistent the decoder must say so (rule 1). A format that carries a content check (its class says
+     ``content_check``: a checksum of what the decoder rebuilds) must reject any payload change that alters its
+     decode.
 
    One exception is known and tallied as such (:func:`known_limit`): a range-coded stream followed by raw bytes in
    one section (delta's residuals), extended by exactly one 32-bit word.
 
-Marked ``fuzz``; the example counts are fixed and the search derandomised, so a run is reproducible.
-``KVBENCH_FUZZ_EXAMPLES`` scales them (scripts/reliability.py runs more) and ``KVBENCH_FUZZ_TALLY`` names a file
-that gets one JSON line per example (what was tried and what the decoder did).
+What is counted: only a section mutation reaches a decoder (a frame mutation is refused by the frame's checksum
+before any decoder runs; those are tallied apart). Each test of a compressor decodes a fixed number of *distinct*
+mutated streams whose every frame (its own, an embedded stream's, that of a stream stored as sections around a
+``P/frame``) parses and checks, skips a stream it already decoded, and fails when fewer than that number reached
+the decoder, or when a frame's checksum refused one it counted. How many (:func:`targets`):
+
+- the dedicated fuzz run, ``pytest -m fuzz``: :data:`DEDICATED` for every compressor (:data:`DEDICATED` / 2 frame
+  mutations), the count scripts/reliability.py publishes in results/reliability.md;
+- any other run (``make test``): :data:`DEFAULT`, fewer for the decoders in :data:`SLOW`, so the whole suite keeps
+  its time;
+- ``KVBENCH_FUZZ_EXAMPLES=N`` overrides both: ``N`` for every compressor.
+
+The search is derandomised, so a run is reproducible. ``KVBENCH_FUZZ_TALLY`` names a file that gets one JSON line
+per mutated stream (what was tried and what the decoder did) and one per test and compressor (``test: "case"``: the
+config, its overrides, the counts asked for and the class's ``content_check``); scripts/reliability.py files them.
 """
 
 from __future__ import annotations
@@ -48,11 +61,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import hashlib
 import json
 import linecache
 import os
 import resource
 import signal
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +76,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stream_cases import ALL, VARIANTS, build
+from stream_cases import ALL, VARIANTS, Case, build
 
 from compressors.exact.identity import Identity
 from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
@@ -74,9 +89,15 @@ pytestmark = pytest.mark.fuzz
 CASES = ALL + list(VARIANTS)
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = int(os.environ.get("KVBENCH_FUZZ_EXAMPLES", "24"))
-#: decoders that run the model one token at a time: fewer examples
+#: distinct mutated streams that reach each compressor's decoder in the dedicated run (``pytest -m fuzz``)
+DEDICATED = 200
+#: and in any other run; fewer for decoders that run the model one token at a time
+DEFAULT = 24
 SLOW = {"recompute": 4, "speculative": 4}
+#: the tally's outcome of a section mutation whose stream a frame would refuse (not decoded, not counted)
+FRAME_REFUSED = "refused by a frame"
+#: how a frame's checksum refuses a stream (kvbench.coding.bitstream): never the fate of a counted mutation
+CHECKSUM = "bitstream checksum mismatch"
 #: address space a decode may add, far above what the cases' shapes justify (their caches are under 1 MB)
 MEMORY = 768 << 20
 #: CPU seconds a decode may take before it counts as a hang (a valid one takes well under a second)
@@ -84,6 +105,20 @@ CPU_SECONDS = 60
 
 STRUCTURE = ("truncate", "extend", "drop", "add", "rename", "varint")
 PAYLOAD = ("flip", "overwrite", "swap")
+
+
+def targets(config: pytest.Config, name: str) -> tuple[int, int]:
+    """(section mutations that must reach the decoder, frame mutations) for compressor ``name`` in this run: see
+    the module docstring."""
+    if os.environ.get("KVBENCH_FUZZ_EXAMPLES"):
+        n = int(os.environ["KVBENCH_FUZZ_EXAMPLES"])
+        if n < 2:
+            raise ValueError(f"KVBENCH_FUZZ_EXAMPLES={n}: at least 2 mutated streams per compressor")
+    elif (config.option.markexpr or "").strip() == "fuzz":
+        n = DEDICATED
+    else:
+        return SLOW.get(name, DEFAULT), DEFAULT // 2
+    return n, max(2, n // 2)
 
 
 class Hang(Exception):
@@ -170,6 +205,38 @@ def _embedded(raw: bytes) -> bool:
         return False
 
 
+def _split_streams(secs: dict[str, tuple[bytes, int]]) -> dict[str, list[str]]:
+    """Streams stored as sections of their own (a wrapper's inner stream, a pipeline's segments): per prefix ``P/``
+    whose ``P/frame`` section holds a frame's header and checksum, the section names the decoder joins into it
+    (``P/frame`` and, in stream order, every other ``P/`` section)."""
+    return {name[:-len("frame")]: [n for n in secs if n.startswith(name[:-len("frame")])]
+            for name, (raw, _) in secs.items() if name.endswith("/frame") and raw[:3] == b"KVB"}
+
+
+def _joined(secs: dict[str, tuple[bytes, int]], prefix: str) -> bytes:
+    """The stream whose frame and sections are stored under ``prefix``, joined as its decoder joins them."""
+    frame = secs[f"{prefix}frame"][0]
+    body = b"".join(raw for n, (raw, _) in secs.items() if n.startswith(prefix) and n != f"{prefix}frame")
+    return frame[:-4] + body + frame[-4:]
+
+
+def _resplit(secs: dict[str, tuple[bytes, int]], prefix: str, data: bytes) -> dict[str, tuple[bytes, int]]:
+    """``secs`` with the stream under ``prefix`` replaced by ``data``, stored as its encoder stores it, where it
+    stood."""
+    stored = Bitstream.from_bytes(data)
+    payloads = stored.sections()
+    body = sum(len(raw) for raw in payloads.values())
+    frame = data[: len(data) - 4 - body] + data[-4:]  # its header and checksum
+    group = {f"{prefix}frame": (frame, _bits(frame)), **{f"{prefix}{n}": (raw, stored.parts[n]) for n, raw in payloads.items()}}
+    out: dict[str, tuple[bytes, int]] = {}
+    for n, v in secs.items():
+        if not n.startswith(prefix):
+            out[n] = v
+        elif not any(k.startswith(prefix) for k in out):
+            out.update(group)
+    return out
+
+
 def _header_values(raw: bytes) -> list[int] | None:
     """The section read as varints end to end, if it is a short one that reads so (a header or an index)."""
     if not 0 < len(raw) <= 64:
@@ -190,24 +257,36 @@ def _bits(raw: bytes) -> int:
 
 @st.composite
 def section_mutation(draw, data: bytes, depth: int = 0) -> Mutation:
-    """A mutated copy of the stream ``data`` with its frame rebuilt (checksum recomputed)."""
+    """A mutated copy of the stream ``data`` with its frame rebuilt (checksum recomputed). A stream embedded whole
+    in a section, or stored as sections of its own around a ``P/frame``, is changed only inside it, its own frame
+    rebuilt too (``nested``): a byte changed in place would meet that frame's checksum, not the decoder."""
     name, secs = _parse(data)
     names = list(secs)
-    nonempty = [n for n in names if secs[n][0]]
-    headers = {n: v for n in names if (v := _header_values(secs[n][0])) is not None}
-    nested = [n for n in names if depth == 0 and _embedded(secs[n][0])]
+    embedded = [n for n in names if _embedded(secs[n][0])]
+    split = _split_streams(secs)
+    members = {n for group in split.values() for n in group}
+    free = [n for n in names if n not in members]  # sections a whole-section mutation may move, drop or name
+    nonempty = [n for n in free if secs[n][0] and n not in embedded]
+    headers = {n: v for n in free if n not in embedded and (v := _header_values(secs[n][0])) is not None}
+    nested = [*embedded, *split] if depth == 0 else []
     ops = [*(("flip", "overwrite", "truncate") if nonempty else ()), "extend", "add"]
-    ops += [*(("drop", "rename") if names else ()), *(("swap",) if len(names) > 1 else ())]
+    ops += [*(("drop", "rename") if free else ()), *(("swap",) if len(free) > 1 else ())]
     ops += [*(("varint",) if headers else ()), *(("nested",) if nested else ())]
     op = draw(st.sampled_from(ops))
     out = dict(secs)
     if op == "nested":
         target = draw(st.sampled_from(nested))
-        inner = draw(section_mutation(secs[target][0], depth + 1))
-        out[target] = (inner.data, _bits(inner.data))
-        return Mutation(f"nested:{inner.op}", f"{target}/{inner.section}", Bitstream.pack(name, out).data, inner.kind)
+        if target in split:
+            inner = draw(section_mutation(_joined(secs, target), depth + 1))
+            out = _resplit(secs, target, inner.data)
+        else:
+            inner = draw(section_mutation(secs[target][0], depth + 1))
+            out[target] = (inner.data, _bits(inner.data))
+        where = f"{target}{inner.section}" if target in split else f"{target}/{inner.section}"
+        return Mutation(f"nested:{inner.op}", where, Bitstream.pack(name, out).data, inner.kind)
+    extendable = [n for n in free if n not in embedded] or [""]
     target = draw(st.sampled_from({"flip": nonempty, "overwrite": nonempty, "truncate": nonempty,
-                                   "varint": sorted(headers)}.get(op, names or [""])))
+                                   "extend": extendable, "varint": sorted(headers)}.get(op, free or [""])))
     raw, nbits = secs.get(target, (b"", 0))
     if op == "flip":
         bit = draw(st.integers(0, 8 * len(raw) - 1))
@@ -235,10 +314,10 @@ def section_mutation(draw, data: bytes, depth: int = 0) -> Mutation:
         out[new] = (payload, _bits(payload))
         target = new
     elif op == "rename":
-        other = draw(st.sampled_from([n for n in names if n != target] + [f"{target}~"]))
+        other = draw(st.sampled_from([n for n in free if n != target] + [f"{target}~"]))
         out = {(f"{other}~" if n == other else other if n == target else n): v for n, v in secs.items()}
     elif op == "swap":
-        other = draw(st.sampled_from([n for n in names if n != target]))
+        other = draw(st.sampled_from([n for n in free if n != target]))
         out[target], out[other] = secs[other], secs[target]
         return Mutation(op, f"{target}<->{other}", Bitstream.pack(name, out).data)
     else:  # varint
@@ -263,6 +342,17 @@ def _tally(**row) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _tally_case(case: Case, test: str, reach: int, frame: int) -> None:
+    """The tally's line for one test of one compressor: what the stream is and how many mutations are asked for."""
+    config, overrides = VARIANTS.get(case.name, (case.name, ()))
+    _tally(compressor=case.name, test="case", of=test, config=config, overrides=list(overrides), reach=reach,
+           frame=frame, content_check=bool(type(case.decoder).content_check), stream_bytes=len(case.stream.data))
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) and (
         (x.kept is None and y.kept is None) or (x.kept is not None and y.kept is not None and torch.equal(x.kept, y.kept)))
@@ -285,8 +375,9 @@ def known_limit(case, m: Mutation) -> str | None:
 def judge(case, m: Mutation, test: str) -> str:
     """Decode ``m`` on the case's decoder and hold the result to the rules of the module docstring; returns the
     outcome (and tallies it), fails the test otherwise."""
-    checked = "crc" in _parse(case.stream.data)[1]
-    row = {"compressor": case.name, "test": test, "op": m.op, "kind": m.kind, "section": m.section}
+    checked = type(case.decoder).content_check
+    row = {"compressor": case.name, "test": test, "op": m.op, "kind": m.kind, "section": m.section,
+           "stream": _digest(m.data)}
     try:
         with bounded():
             got = case.decode(m.data)
@@ -296,6 +387,9 @@ def judge(case, m: Mutation, test: str) -> str:
             _tally(**row, outcome="failure", detail=f"{type(e).__name__} not raised by kvbench: {where}: {e}")
             pytest.fail(f"{case.name}, {m.op} of {m.section}: {type(e).__name__} ({e}) comes from {where}, not from "
                         "a check of kvbench or the compressor that names what is wrong")
+        if str(e).startswith(CHECKSUM):  # the mutation was counted as reaching the decoder; a frame met it
+            _tally(**row, outcome="failure", detail=f"a frame's checksum refused it: {where}")
+            pytest.fail(f"{case.name}, {m.op} of {m.section}: a frame's checksum refused it ({where}), not the decoder")
         outcome = "rejected: BitstreamError" if isinstance(e, BitstreamError) else "rejected: ValueError"
         _tally(**row, outcome=outcome, detail=str(e)[:200])
         return outcome
@@ -333,12 +427,14 @@ def _settings(examples: float):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_frame_mutations_are_rejected_by_the_frame(name):
+def test_frame_mutations_are_rejected_by_the_frame(name, request):
     """Storage corruption: any flipped bit, truncation or extension fails the frame's checks."""
     case = build(name)
     data = case.stream.data
+    frame = targets(request.config, name)[1]
+    _tally_case(case, "frame", 0, frame)
 
-    @_settings(EXAMPLES / 2)  # cheap: the frame rejects them before any decoder runs
+    @_settings(frame)  # cheap: the frame rejects them before any decoder runs
     @given(st.data())
     def check(draw):
         op = draw.draw(st.sampled_from(["flip", "truncate", "extend"]))
@@ -355,23 +451,56 @@ def test_frame_mutations_are_rejected_by_the_frame(name):
             case.decode(bad)
         ours, where = _raised_by_a_raise_statement(e.value)
         assert ours and "kvbench/coding/bitstream.py" in where, where
-        _tally(compressor=name, test="frame", op=op, kind="frame", section="", outcome="rejected: BitstreamError",
-               detail=str(e.value)[:200])
+        _tally(compressor=name, test="frame", op=op, kind="frame", section="", stream=_digest(bad),
+               outcome="rejected: BitstreamError", detail=str(e.value)[:200])
 
     check()
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_section_mutations_are_rejected_or_harmless(name):
-    """A rebuilt frame around mutated sections: rejected with a clear error, or a decode the rules allow."""
+def test_section_mutations_are_rejected_or_harmless(name, request):
+    """A rebuilt frame around mutated sections: rejected with a clear error, or a decode the rules allow; the
+    asked number of distinct mutated streams, each behind a valid frame, reaches the decoder."""
     case = build(name)
+    reach = targets(request.config, name)[0]
+    _tally_case(case, "sections", reach, 0)
+    reached: set[bytes] = set()
+    embedded = [n for n, (raw, _) in _parse(case.stream.data)[1].items() if _embedded(raw)]
 
-    @_settings(SLOW.get(name, 24) * EXAMPLES / 24)
+    # a few more draws than streams asked for: hypothesis draws the odd stream twice, decoded only once, and the odd
+    # one a frame refuses (not counted)
+    @_settings(reach + reach // 4 + 4)
     @given(section_mutation(case.stream.data))
     def check(m):
+        digest = hashlib.sha256(m.data).digest()
+        if len(reached) >= reach or digest in reached:
+            return
+        if not _behind_valid_frames(m.data, embedded):  # not counted: a frame, not the decoder, would meet it
+            _tally(compressor=name, test="sections", op=m.op, kind=m.kind, section=m.section, stream=_digest(m.data),
+                   outcome=FRAME_REFUSED)
+            return
+        reached.add(digest)
         judge(case, m, "sections")
 
     check()
+    if len(reached) < reach:
+        pytest.fail(f"{name}: {len(reached)} distinct mutated streams reached the decoder of {reach} asked for")
+
+
+def _behind_valid_frames(data: bytes, embedded: Iterable[str]) -> bool:
+    """Whether the frame of ``data``, of the streams embedded whole in its sections ``embedded`` (where they still
+    start as a stream does) and of every stream stored as sections around a ``P/frame`` parse and check: then the
+    decoder, not a frame, meets the mutation."""
+    try:
+        secs = _parse(data)[1]
+        for n in embedded:
+            if secs.get(n, (b"",))[0][:3] == b"KVB":
+                _parse(secs[n][0])
+        for prefix in _split_streams(secs):
+            _parse(_joined(secs, prefix))
+        return True
+    except BitstreamError:
+        return False
 
 
 class _Lax(Identity):

@@ -377,9 +377,10 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]
     assert "_no stepcost runs_" in md["stepcost"]  # these study runs hold no stepcost run: tests/test_stepcost.py
+    assert "_no reliability runs_" in md["reliability"]  # nor a reliability run: tests/test_reliability.py
     for name in studies:
         assert (tmp_path / f"{name}.md").read_text() == md[name]
-        if name != "stepcost":
+        if name not in ("stepcost", "reliability"):
             assert r"\begin{tabular}" in (tmp_path / f"{name}.tex").read_text()
 
 

@@ -61,6 +61,8 @@ class Recompute(Compressor):
 
     threads: int = 1
 
+    # a CRC-32 of the decoded ids: a changed coded word that alters them is refused
+    content_check = True
     name = "recompute"
     family = "exact"
     max_rel_mse = 1e-5  # the same prefill: exact here, an ulp of rounding on other kernels

@@ -100,6 +100,8 @@ class Speculative(Compressor):
     token_coding: str = "model"
     step: float = 0.0
 
+    # a CRC-32 of the reconstructed K and V: a changed token or residual that alters them is refused
+    content_check = True
     name = "speculative"
     family = "predictive"
     max_rel_mse = 0.0  # step 0: bit-exact

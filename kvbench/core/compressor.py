@@ -50,6 +50,11 @@ class Compressor(abc.ABC):
     name: ClassVar[str] = ""
     #: True when decode(encode(kv)) is bit-exact by construction (the harness verifies it on every run)
     lossless: ClassVar[bool] = False
+    #: True when the stream carries a check of what its decoder rebuilds (a checksum of the decoded ids, or of the
+    #: prediction both sides must compute to the bit), so a changed payload that alters the decode is refused. A
+    #: format without one has no redundancy to tell a changed code, scale or seed from another valid stream: the fuzz
+    #: tests (tests/test_fuzz_streams.py) let only such a format decode a mutated payload to another cache
+    content_check: ClassVar[bool] = False
     #: True when the decoder needs ``ctx.model`` (the harness then loads the model)
     needs_model: ClassVar[bool] = False
     #: True when encoder and decoder need ``ctx.config``, the model's config (e.g. to undo RoPE)

@@ -17,7 +17,8 @@ Tables and figures, one set per section (``kvbench.report.sections``), go into `
   restore.md/.tex               per restore run, context and link bandwidth (from restore.json, `python -m kvbench restore`)
   figures/*.png, figures/*.pdf  see ``kvbench.report.figures``
   skipped.txt                   run dirs that were not read, and why (only when there are any)
-(stepcost runs, from ``python -m kvbench stepcost``, are the section ``stepcost``'s) and a study section NAME its
+(stepcost runs, from ``python -m kvbench stepcost``, are the section ``stepcost``'s; reliability runs, filed by
+scripts/reliability.py, the section ``reliability``'s) and a study section NAME its
 tables in NAME.md/.tex (NAME.csv: the rows behind them) and its figures in figures/.
 Writing them is :mod:`kvbench.report.writing`.
 

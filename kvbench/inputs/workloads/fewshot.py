@@ -1,14 +1,26 @@
-"""``fewshot``: BIG-bench few-shot prompts — a shared instruction and k exemplars, then a different question."""
+"""``fewshot``: few-shot prompts — a shared instruction and k exemplars with answers, then a different question.
+
+The tasks come from the run's text by default (:mod:`kvbench.inputs.workloads.fewshot_text`: nothing to download)
+or, with ``source=bigbench``, from a local copy of BIG-bench's task files: the package registry no longer serves
+the ``bigbench`` 1.0.0 sdist they shipped in.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvbench.inputs.workloads.base import Session, Workload, WorkloadBuilder
+from kvbench.inputs.workloads.fewshot_text import TASKS, text_task
 from kvbench.inputs.workloads.text import cat, encode
+
+#: where the tasks come from, and each source's tasks when ``tasks`` is null
+DEFAULT_TASKS = {"text": ["next_word", "fill_blank"], "bigbench": ["goal_inference", "step_inference"]}
 
 # BIG-bench's own defaults for JSON tasks (bigbench/api/json_task.py)
 _INPUT_PREFIX, _OUTPUT_PREFIX, _CHOICE_PREFIX = "\nQ: ", "\nA: ", "\n  choice: "
@@ -39,46 +51,68 @@ def render(task: dict, ex: dict, with_answer: bool) -> str:
 
 @dataclass
 class FewShot(WorkloadBuilder):
-    """``n_sessions`` few-shot prompts spread over BIG-bench ``tasks``: each task's prompts share its
-    instruction (``task_prefix``, else its description) and its first ``k_shot`` examples with answers; every
-    prompt then asks a different later example of the task. ``task_dir`` holds ``TASK/task.json`` files; null
-    takes the tasks from the ``bigbench`` sdist (``kvbench.inputs.assets.ensure_bigbench``). No chat template: this is
-    the base-model few-shot format of BIG-bench."""
+    """``n_sessions`` few-shot prompts spread over ``tasks``: each task's prompts share its instruction (BIG-bench's
+    ``task_prefix``, else its description) and its first ``k_shot`` examples with answers; every prompt then asks a
+    different later example of the task. No chat template: the base-model few-shot format of BIG-bench.
+
+    ``source=text`` (the default) cuts the examples from the run's text with a seed (built-in tasks ``next_word``
+    and ``fill_blank``, passages of about ``passage_words`` words); ``source=bigbench`` reads BIG-bench JSON tasks
+    from ``task_dir`` (``TASK/task.json``), which it needs: the registry no longer serves the sdist they came in.
+    ``tasks`` null takes the source's defaults (:data:`DEFAULT_TASKS`)."""
 
     n_sessions: int = 24
-    tasks: list = field(default_factory=lambda: ["goal_inference", "step_inference"])
+    source: str = "text"
+    tasks: list | None = None
     k_shot: int = 3
+    passage_words: int = 48
     task_dir: str | None = None
 
     name = "fewshot"
 
     def __post_init__(self) -> None:
-        self._check(n_sessions=(1, 1 << 20), k_shot=(0, 1 << 10))
-        self.tasks = [self.tasks] if isinstance(self.tasks, str) else list(self.tasks)
+        self._check(n_sessions=(1, 1 << 20), k_shot=(0, 1 << 10), passage_words=(2, 1 << 16))
+        if self.source not in DEFAULT_TASKS:
+            raise ValueError(f"fewshot.source={self.source!r} is not a source; choose from {list(DEFAULT_TASKS)}")
+        tasks = DEFAULT_TASKS[self.source] if self.tasks is None else self.tasks
+        self.tasks = [tasks] if isinstance(tasks, str) else list(tasks)
         if not self.tasks:
-            raise ValueError("fewshot.tasks is empty; name at least one BIG-bench task")
+            raise ValueError("fewshot.tasks is empty; name at least one task (or null for the source's defaults)")
+        if self.source == "text":
+            if self.task_dir:
+                raise ValueError("fewshot.task_dir is read only with source=bigbench; set source=bigbench or drop "
+                                 "task_dir")
+            unknown = [t for t in self.tasks if t not in TASKS]
+            if unknown:
+                raise ValueError(f"fewshot.tasks: {unknown} are not built-in tasks; choose from {sorted(TASKS)} "
+                                 "(or source=bigbench with a task_dir)")
+        elif not self.task_dir:
+            raise ValueError("fewshot.source=bigbench needs task_dir=DIR, a local copy of BIG-bench's task files "
+                             "(DIR/TASK/task.json, as in bigbench/benchmark_tasks of the BIG-bench repository): the "
+                             "package registry no longer serves the bigbench 1.0.0 sdist (only 0.0.1); set "
+                             "workload.task_dir=DIR (under mixed: family_params.fewshot.task_dir)")
 
-    def _root(self) -> Path:
-        if self.task_dir:
-            return Path(str(self.task_dir)).expanduser()
-        from kvbench.inputs.assets import ensure_bigbench
-
-        return ensure_bigbench()
+    def _task(self, name: str, n: int, docs: list[str]) -> dict:
+        """Task ``name`` as a BIG-bench JSON task with at least ``n`` examples."""
+        if self.source == "text":
+            rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+            return text_task(name, docs, n, self.passage_words, rng)
+        root = Path(str(self.task_dir)).expanduser()
+        path = root / name / "task.json"
+        if not path.exists():
+            have = sorted(p.parent.name for p in root.glob("*/task.json"))
+            raise ValueError(f"fewshot.tasks: no task {name!r} under {root}; available: {have}")
+        task = load_task(path)
+        if len(task["examples"]) < n:
+            raise ValueError(f"fewshot: task {name} has {len(task['examples'])} examples; k_shot={self.k_shot} plus "
+                             f"{n - self.k_shot} questions need {n}")
+        return task
 
     def build(self, tokenizer: Any, docs: list[str]) -> Workload:
-        root = self._root()
         per_task = -(-self.n_sessions // len(self.tasks))
         shared, questions = [], []
         for name in self.tasks:
-            path = root / name / "task.json"
-            if not path.exists():
-                have = sorted(p.parent.name for p in root.glob("*/task.json"))
-                raise ValueError(f"fewshot.tasks: no task {name!r} under {root}; available: {have}")
-            task = load_task(path)
+            task = self._task(name, self.k_shot + per_task, docs)
             exs = task["examples"]
-            if len(exs) < self.k_shot + per_task:
-                raise ValueError(f"fewshot: task {name} has {len(exs)} examples; k_shot={self.k_shot} plus "
-                                 f"{per_task} questions need {self.k_shot + per_task}")
             head = task.get("task_prefix") or task.get("description", "")
             shots = "".join(render(task, ex, True) + "\n" for ex in exs[: self.k_shot])
             shared.append(cat([encode(tokenizer, head + "\n"), encode(tokenizer, shots)]))

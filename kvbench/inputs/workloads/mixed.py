@@ -24,7 +24,8 @@ class Mixed(WorkloadBuilder):
     family sessions is the one whose token-level share rate comes closest to ``target_share_rate``; families
     contribute whole groups first (a task, a document, a conversation), round-robin. Arrival order is a seeded
     interleaving that keeps each family's own order (a conversation's turns stay in turn order).
-    ``family_params`` overrides family fields, e.g. ``{fewshot: {task_dir: DIR, tasks: [t]}}``."""
+    ``family_params`` overrides family fields, e.g. ``{fewshot: {source: bigbench, task_dir: DIR, tasks: [t]}}``;
+    the entries of families not mixed in are unused."""
 
     n_sessions: int = 32
     target_share_rate: float = 0.5
@@ -40,9 +41,11 @@ class Mixed(WorkloadBuilder):
         for f in self.families:
             if f not in FAMILIES:
                 raise ValueError(f"mixed.families: {f!r} is not a family; choose from {sorted(FAMILIES)}")
+        # params of a known family that is not mixed in are kept unused, so that a preset's settings for one
+        # family survive an override of the families
         for f in self.family_params:
-            if f not in self.families:
-                raise ValueError(f"mixed.family_params: {f!r} is not one of the families {self.families}")
+            if f not in FAMILIES:
+                raise ValueError(f"mixed.family_params: {f!r} is not a family; choose from {sorted(FAMILIES)}")
 
     def _family(self, i: int, name: str) -> WorkloadBuilder:
         kw = {"seed": self.seed + 1000 * (i + 1), "eval_tokens": self.eval_tokens, **self.family_params.get(name, {})}

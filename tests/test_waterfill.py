@@ -94,7 +94,7 @@ def test_more_bits_less_error(trace):
 
 def test_a_low_budget_drops_the_least_attended_tokens(trace):
     model, calib, kv = trace
-    comp = _fitted(model, calib, bits=0.25, tiers=4, obs_window=16)
+    comp = _fitted(model, calib, bits=0.25, tiers=4, obs_window=16, sinks=0)  # 4 exact sinks alone cost 0.5 here
     _, out = _roundtrip(comp, model, kv)
     assert out.kept is not None and not out.kept.all()
     # one selection per layer (tiers are per layer and token), the same for every KV head

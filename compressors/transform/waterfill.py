@@ -222,10 +222,14 @@ class Waterfill(Compressor):
 
     def _check_budget(self, fixed_bits: int, ctx: Context, n_sink: int) -> None:
         """Refuse a budget the sequence's fixed cost (its exact sinks, tier weights, water level and coded tiers)
-        already exceeds: every coefficient would get no bits and the stream would still store more than asked."""
+        already exceeds: every coefficient would get no bits and the stream would still store more than asked.
+
+        Only where the sequence holds sinks (it starts at position 0: a whole window, or a cache's first chunk):
+        a later chunk of a cache, a few tokens long, may cost its side information over its share, which the
+        cache's measured bits count; refusing it would make a run fail on where a context happens to end."""
         L, H, T, D = ctx.shape
         n_el = 2 * L * H * T * D
-        if fixed_bits > self.bits * n_el:
+        if n_sink > 0 and fixed_bits > self.bits * n_el:
             least = math.ceil(fixed_bits / n_el * 1e4) / 1e4
             raise ValueError(f"waterfill.bits={self.bits:g} is below the fixed cost of this {T}-token sequence: "
                              f"{n_sink} exact sink token(s) at 16 bits and the tiers' side information take "

@@ -163,14 +163,15 @@ def test_model_backed_compressors_roundtrip_on_the_packaged_model(name, packaged
 
 @pytest.fixture(scope="module")
 def packaged():
-    """24 tokens of the packaged default model's 16-bit cache, with the ids, and the model handle."""
+    """96 tokens of the packaged default model's 16-bit cache, with the ids, and the model handle (enough that a
+    coder's exact sinks fit its default budget: 4 of them cost 16 x 4 / 96 = 0.67 bits per element)."""
     from kvbench.core.kv import KVSequence
     from kvbench.inputs.capture import capture_window
     from kvbench.inputs.models import ModelHandle
 
     handle = ModelHandle(compose([]).model)
     text = "Four score and seven years ago our fathers brought forth on this continent a new nation, conceived in "
-    ids = torch.tensor(handle.tokenizer(text).input_ids[:24])
+    ids = torch.tensor(handle.tokenizer(text * 6).input_ids[:96])
     got = capture_window(handle.model, ids, ids.numel(), torch.float16)
     return KVSequence(got["k"], got["v"], ids), handle
 

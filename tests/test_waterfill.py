@@ -86,14 +86,17 @@ def test_roundtrip_rate_and_decoder_from_bytes(trace, importance):
 def test_more_bits_less_error(trace):
     model, calib, kv = trace
     errs = []
-    for bits in (0.5, 2.0, 4.0):
+    for bits in (1.0, 2.0, 4.0):  # 4 exact sinks of 128 tokens alone take 0.5 bits per element
         _, out = _roundtrip(_fitted(model, calib, bits=bits, importance="uniform"), model, kv)
         errs.append(float(sum((a.float() - b.float()).pow(2).mean() for a, b in ((out.k, kv.k), (out.v, kv.v)))))
     assert errs[0] > errs[1] > errs[2]
 
 
-def test_a_low_budget_drops_the_least_attended_tokens(trace):
+def test_a_low_budget_drops_the_least_attended_tokens(trace, monkeypatch):
     model, calib, kv = trace
+    # the tiny model has 64 elements per token and layer, so its tiers' side information is a large fixed cost and a
+    # budget low enough to drop tiers is refused (tests/test_bad_inputs.py); the dropping itself is tested past it
+    monkeypatch.setattr(Waterfill, "_check_budget", lambda *args: None)
     comp = _fitted(model, calib, bits=0.25, tiers=4, obs_window=16)
     _, out = _roundtrip(comp, model, kv)
     assert out.kept is not None and not out.kept.all()

@@ -74,6 +74,14 @@ def select(scores: torch.Tensor, k: int, sinks: int = 0, window: int = 0) -> tor
     return torch.zeros(L, H, T, dtype=torch.bool).scatter_(-1, top, True)
 
 
+def protected_kept(sinks: int, window: int, n_tokens: int, k: int, word: str = "recent") -> Kept:
+    """What :func:`select` protects of ``sinks`` first and ``window`` last tokens with ``k`` of ``n_tokens`` kept:
+    sinks first, then the window, neither past the context nor the budget (the fields are clamped here, not
+    refused: one configuration runs on contexts of many lengths, and the summary records what was kept)."""
+    s = min(sinks, n_tokens, k)
+    return Kept(s, min(window, n_tokens - s, k - s), word)
+
+
 # ---------------------------------------------------------------------------------------------- the base
 
 
@@ -145,8 +153,11 @@ class Eviction(Compressor):
         return int(getattr(self, "sinks", 0)), int(getattr(self, "window", 0))
 
     def always_kept(self, n_tokens: int) -> Kept:
-        sinks, window = self.protected(n_tokens, n_kept(self.name, self.keep, n_tokens))
-        return Kept(sinks, window, self.window_word)
+        """The first and last tokens :func:`select` keeps before scoring any, at ``n_tokens``: the fields as asked,
+        cut to the context and to the budget as :func:`select` cuts them (a ``window`` of 100000 on 256 tokens
+        keeping half protects the last 128, and says so)."""
+        k = n_kept(self.name, self.keep, n_tokens)
+        return protected_kept(*self.protected(n_tokens, k), n_tokens, k, self.window_word)
 
     def kept_coding(self) -> str:
         """How the kept KV is stored: ``16-bit``, or the inner coder and its bits (``turboquant 3-bit``)."""

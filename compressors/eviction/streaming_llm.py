@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compressors.eviction.evict import Eviction, n_kept
+from compressors.eviction.evict import Eviction, n_kept, protected_kept
 from kvbench.core.compressor import Kept
 from kvbench.core.kv import Context, KVSequence
 
@@ -23,7 +23,8 @@ class StreamingLLM(Eviction):
     name = "streaming_llm"
 
     def always_kept(self, n_tokens: int) -> Kept:
-        return Kept(self.sinks, n_kept(self.name, self.keep, n_tokens) - self.sinks)
+        k = n_kept(self.name, self.keep, n_tokens)
+        return protected_kept(self.sinks, k, n_tokens, k)
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         L, H, T, _ = kv.shape

@@ -37,6 +37,7 @@ default, not swept.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -220,6 +221,22 @@ class Waterfill(Compressor):
         L, H, T, D = ctx.shape
         return max(0.0, self.bits * 2 * L * H * T * D - 16 * 2 * L * H * n_sink * D)
 
+    def _check_budget(self, fixed_bits: int, ctx: Context, n_sink: int) -> None:
+        """Refuse a budget the sequence's fixed cost (its exact sinks, tier weights, water level and coded tiers)
+        already exceeds: every coefficient would get no bits and the stream would still store more than asked.
+
+        Only where the sequence holds sinks (it starts at position 0: a whole window, or a cache's first chunk):
+        a later chunk of a cache, a few tokens long, may cost its side information over its share, which the
+        cache's measured bits count; refusing it would make a run fail on where a context happens to end."""
+        L, H, T, D = ctx.shape
+        n_el = 2 * L * H * T * D
+        if n_sink > 0 and fixed_bits > self.bits * n_el:
+            least = math.ceil(fixed_bits / n_el * 1e4) / 1e4
+            raise ValueError(f"waterfill.bits={self.bits:g} is below the fixed cost of this {T}-token sequence: "
+                             f"{n_sink} exact sink token(s) at 16 bits and the tiers' side information take "
+                             f"{fixed_bits / n_el:.4f} bits per element before any coefficient; the smallest budget "
+                             f"possible here is waterfill.bits={least:g} (or fewer sinks, or a longer context)")
+
     def _importance(self, kv: KVSequence, ctx: Context, n_sink: int) -> torch.Tensor:
         """``(L, n)`` importance of the coded tokens (mean 1 per layer)."""
         L, H, T, _ = kv.shape
@@ -260,6 +277,7 @@ class Waterfill(Compressor):
         enc = StreamEncoder()
         enc.categorical(tier.reshape(-1), tier_probs(n, self.tiers))
         sections["tiers"] = enc.finish()
+        self._check_budget(Bitstream.pack(self.name, sections).num_bits, ctx, n_sink)
         self._add("dropped_fraction", float((~_kept_tokens(widths, tier)).mean()))
         self._add("sequences", 1.0)
         per_kind = st.split(widths)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvbench.inputs.assets import AssetError, ensure_model
+from kvbench.inputs.assets import MODELS, AssetError, ensure_model
 
 
 @dataclass
@@ -27,7 +27,19 @@ class ModelInfo:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def check_model_cfg(model_cfg: Any) -> None:
+    """Refuse a ``model.path`` given with a packaged model: the packaged weights would be loaded, the path ignored,
+    and the summary's config would still name the path as if it had been read."""
+    get = model_cfg.get if hasattr(model_cfg, "get") else lambda key, default=None: getattr(model_cfg, key, default)
+    path = get("path", None)
+    if get("source", None) == "packaged" and path not in (None, ""):
+        raise ValueError(f"model.path={path} is only read with model=hf (a local Hugging Face checkpoint directory); "
+                         f"model={get('name', '?')} is packaged and loads its own weights (packaged models: "
+                         f"{sorted(MODELS)}): drop model.path, or use model=hf model.path={path}")
+
+
 def resolve_model_dir(model_cfg: Any) -> Path:
+    check_model_cfg(model_cfg)
     if model_cfg.source == "packaged":
         return ensure_model(model_cfg.name)
     if model_cfg.source == "hf":
@@ -50,6 +62,7 @@ class ModelHandle:
     """Loads the model and tokenizer on first use, so that runs on a stored trace need not load them at all."""
 
     def __init__(self, model_cfg: Any, device: str = "cpu") -> None:
+        check_model_cfg(model_cfg)
         self.cfg, self.device = model_cfg, device
         self._model = self._tok = None
 

@@ -163,6 +163,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref, config) for kv in kvs], enc, dec)
 
     dist = DistortionAccumulator()
+    dist_all = DistortionAccumulator()  # every entry, an evicted one as the zero vector a decoder leaves there
     lossless, n_tok, n_el = True, 0, 0
     nll_base, nll_comp = [], []  # per-token NLL arrays, one per scored item
     recall_base, recall_comp, recall_of = [], [], []  # the long-range probe's, and which scored item each is
@@ -177,6 +178,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         lossless &= exact and (kv_hat.kept is None or bool(kv_hat.kept.all()))
         dist.add("k", kv.k, kv_hat.k, kv_hat.kept)
         dist.add("v", kv.v, kv_hat.v, kv_hat.kept)
+        dist_all.add("k", kv.k, _dropped_as_zero(kv_hat.k, kv_hat.kept))
+        dist_all.add("v", kv.v, _dropped_as_zero(kv_hat.v, kv_hat.kept))
         n_tok += kv.n_tokens
         n_el += kv.n_elements
         if it.continuation is not None:
@@ -223,6 +226,13 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "cosine_k": dist.cosine("k"),
         "cosine_v": dist.cosine("v"),
         "dropped_fraction": dist.dropped_fraction("k"),
+        # rel_mse_* and cosine_* are measured on the kept entries only; the *_all ones over every entry, an evicted
+        # one counted as zero (its whole energy is error), so that eviction's loss shows in the distortion too
+        "rel_mse_scope": "kept tokens only" if dist.dropped_fraction("k") > 0 else "all tokens",
+        "rel_mse_k_all": dist_all.rel_mse("k"),
+        "rel_mse_v_all": dist_all.rel_mse("v"),
+        "cosine_k_all": dist_all.cosine("k"),
+        "cosine_v_all": dist_all.cosine("v"),
         **rd_reference(kvs, dist, lossless, config if config is not None else _config_if_installed(handle)),
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
         **recall_loss(recall_base, recall_comp, cfg.metrics, source.fields.get("eval_documents"), recall_of),
@@ -241,6 +251,12 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     }
     summary.update(draw_spread(cfg, compressor, handle, source, summary, recall_base, recall_of, code, recall_probe))
     return summary, dist.rows()
+
+
+def _dropped_as_zero(x_hat: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """``x_hat`` ``(L, H, T, D)`` with the entries ``kept`` ``(L, H, T)`` marks evicted set to zero, whatever the
+    decoder left there."""
+    return x_hat if kept is None else x_hat * kept.unsqueeze(-1).to(x_hat.dtype)
 
 
 def _config_if_installed(handle: ModelHandle) -> Any:
@@ -315,7 +331,7 @@ def format_summary(s: dict) -> str:
         ("bits / token", f"{s['bits_per_token']:,.1f}   (bound {s['bound_bits_per_token']:.2f})"),
         ("compression ratio", f"{s['compression_ratio']:.3f}x vs 16-bit"),
         ("lossless", str(s["lossless"])),
-        ("rel MSE  K / V", f"{s['rel_mse_k']:.3e} / {s['rel_mse_v']:.3e}"),
+        *_distortion_rows(s),
         ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  over {s.get('eval_tokens', 0):,} tokens"),
         ("delta NLL", _delta_text(s)),
         ("delta NLL, recall", _recall_text(s)),
@@ -323,6 +339,22 @@ def format_summary(s: dict) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def _distortion_rows(s: dict) -> list[tuple[str, str]]:
+    """rel MSE (and cosine) K / V; where entries were evicted, on the kept ones and over all with evicted as zero,
+    each labelled (a summary written before the second was measured shows the first, labelled as measured)."""
+    def both(metric: str, suffix: str, fmt: str) -> str:
+        return " / ".join(format(s[f"{metric}_{kind}{suffix}"], fmt) for kind in ("k", "v"))
+
+    if not s.get("dropped_fraction"):
+        return [("rel MSE  K / V", both("rel_mse", "", ".3e"))]
+    rows = [("rel MSE  K / V, kept", f"{both('rel_mse', '', '.3e')}   cosine {both('cosine', '', '.4f')}  "
+                                     f"(kept tokens only; {s['dropped_fraction']:.1%} evicted)")]
+    if "rel_mse_k_all" in s:
+        rows.append(("rel MSE  K / V, all", f"{both('rel_mse', '_all', '.3e')}   cosine {both('cosine', '_all', '.4f')}  "
+                                            "(all tokens, evicted as zero)"))
+    return rows
 
 
 def _recall_text(s: dict) -> str:

@@ -1,7 +1,7 @@
 """Task data as JSONL files for lm-eval's offline ``json`` loader, built once from the packaged assets.
 
-* BIG-bench (``goal_inference``, ``step_inference``, ``implicatures``, ``vitaminc``): ``task.json`` files from the
-  ``bigbench`` sdist, formatted zero-shot as BIG-bench formats JSON tasks (task prefix, input and output prefixes,
+* BIG-bench (``goal_inference``, ``step_inference``, ``implicatures``, ``vitaminc``; opt-in): ``task.json`` files
+  of a local copy (:func:`bigbench_task_file`; the registry no longer serves the sdist that held them), formatted zero-shot as BIG-bench formats JSON tasks (task prefix, input and output prefixes,
   choices appended to the input where the task asks for it), a seeded sample of ``pool`` examples.
 * ``passkey``: a five-digit key hidden at a given depth of a State of the Union haystack of a given length in
   tokens (the retrieval test of Mohtashami & Jaggi, arXiv 2305.16300), asked for at the end (the ``query``).
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.inputs.assets import BIGBENCH_TASKS, ensure_bigbench, ensure_text
+from kvbench.inputs.assets import BIGBENCH_DIRS, BIGBENCH_SPEC, BIGBENCH_TASKS, ensure_text
 from kvbench.store.atomic import write_bytes
 from kvbench.store.paths import home
 
@@ -110,6 +110,28 @@ def format_bigbench(task: dict, example: dict) -> dict | None:
             "label": choices.index(next(c for c in choices if scores[c] == best))}
 
 
+def bigbench_dir() -> Path:
+    """Where the BIG-bench ``task.json`` files are read from: ``$KVBENCH_HOME/data/bigbench/<task>/task.json``."""
+    return home() / "data" / "bigbench"
+
+
+def bigbench_task_file(task: str) -> Path:
+    """The local ``task.json`` of a BIG-bench task, or :class:`TaskDataError` saying how to provide it.
+
+    The package registry no longer serves the ``bigbench`` sdist that held these files (only a 0.0.1 release without
+    them), so nothing downloads them: a copy made earlier (``python -m kvbench assets --data bigbench``, when it still
+    worked) or one taken from the BIG-bench repository is read in place."""
+    path = bigbench_dir() / task / "task.json"
+    if not path.is_file():
+        src = BIGBENCH_DIRS.get(task, task)
+        raise TaskDataError(
+            f"BIG-bench task {task!r} is not available: the package registry no longer serves the {BIGBENCH_SPEC} "
+            f"sdist that held its task files. Point kvbench at a local copy: put its task.json at {path} (from a "
+            f"clone of https://github.com/google/BIG-bench: bigbench/benchmark_tasks/{src}/task.json), or leave the "
+            f"BIG-bench tasks out (the default tasks need no download)")
+    return path
+
+
 def bigbench_data(task: str, pool: int, seed: int) -> Path:
     """A seeded sample of ``pool`` formatted examples of a BIG-bench task."""
     if task not in BIGBENCH_TASKS:
@@ -117,7 +139,7 @@ def bigbench_data(task: str, pool: int, seed: int) -> Path:
     out = keyed_path(f"bigbench_{task}", {"task": task, "pool": pool, "seed": seed, "v": 2})
     if out.exists():
         return out
-    spec = json.loads((ensure_bigbench() / task / "task.json").read_text(encoding="utf-8"))
+    spec = json.loads(bigbench_task_file(task).read_text(encoding="utf-8"))
     rows = [r for r in (format_bigbench(spec, ex) for ex in spec["examples"]) if r is not None]
     order = np.random.default_rng(seed).permutation(len(rows))[:pool]
     return write_jsonl(out, [rows[i] | {"id": int(i)} for i in order])

@@ -16,7 +16,9 @@ from kvbench.measure.evaluation import task_data as data
 
 TASK_DEFS = Path(__file__).resolve().parent / "task_defs"
 RULER_GROUP = "ruler"  # every RULER family at every length
-TASKS = (*BIGBENCH_TASKS, "passkey", "sotu_lastword", RULER_GROUP, *ruler.FAMILIES)
+BIGBENCH_GROUP = "bigbench"  # every BIG-bench task (opt-in: their files are not downloadable, see task_data)
+GROUPS = {RULER_GROUP: tuple(ruler.FAMILIES), BIGBENCH_GROUP: BIGBENCH_TASKS}
+TASKS = (BIGBENCH_GROUP, *BIGBENCH_TASKS, "passkey", "sotu_lastword", RULER_GROUP, *ruler.FAMILIES)
 # the fields each data file's rows must have (checked before lm-eval reads the file)
 FIELDS = {"bigbench": ("context", "query", "choices", "label"), "passkey": ("context", "query", "passkey"),
           "sotu_lastword": ("context", "target"), "ruler": ruler.FIELDS}
@@ -53,10 +55,10 @@ def ruler_name(family: str, length: int) -> str:
 
 
 def expand(names: list[str]) -> list[str]:
-    """``names`` with the ``ruler`` group replaced by its families, first occurrence kept."""
+    """``names`` with each group (``ruler``, ``bigbench``) replaced by its tasks, first occurrence kept."""
     out: list[str] = []
     for name in names:
-        for n in (ruler.FAMILIES if name == RULER_GROUP else [name]):
+        for n in GROUPS.get(name, [name]):
             if n not in out:
                 out.append(n)
     return out

@@ -95,7 +95,7 @@ log "kvbench reproduce: $SHA$(git diff --quiet HEAD -- kvbench compressors confi
 T0=$SECONDS
 
 LANE=setup
-step assets "$PY" -m kvbench assets --model smollm2_135m --model gemma3_270m --data sotu --data bigbench
+step assets "$PY" -m kvbench assets --model smollm2_135m --model gemma3_270m --data sotu
 if ! "$PY" -c "import hqq" 2>/dev/null; then
     log "error: the QuantizedCache baseline needs hqq: $PY -m pip install -e '.[hqq]' (or: make reproduce)"
     exit 1

@@ -70,6 +70,14 @@ def test_two_draws_write_the_spread_of_delta_nll_and_the_recall_probes(tiny_cfg,
         assert len(values) == 2 and values[0] == s[key]  # draw 0 is the run's own fit, the headline figure
         assert sp["min"] <= sp["median"] <= sp["max"] and sp["min"] == min(values) and sp["max"] == max(values)
     assert s["delta_nll_fit_draws"][1] != s["delta_nll_fit_draws"][0]  # another fit, another codec
+    # each draw carries its own interval and verdict, draw 0's the run's; the verdict for every draw says so
+    lo, hi = s["delta_nll_ci_fit_draws"][1]
+    assert s["delta_nll_ci_fit_draws"][0] == s["delta_nll_ci"] and lo <= s["delta_nll_fit_draws"][1] <= hi
+    assert s["delta_nll_ci_fit_draws"][1] != s["delta_nll_ci_fit_draws"][0]
+    verdicts = s["delta_nll_verdict_fit_draws"]
+    assert verdicts[0] == s["delta_nll_verdict_1pct"] and len(verdicts) == 2
+    assert s["delta_nll_verdict_every_draw"] == (verdicts[0] if verdicts[0] == verdicts[1] else "depends on the draw")
+    assert len(s["delta_nll_recall_ci_fit_draws"]) == 2
 
 
 def test_a_coder_that_fits_nothing_and_a_single_draw_write_no_spread(tiny_cfg, tiny_handle, corpus):

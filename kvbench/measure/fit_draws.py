@@ -126,7 +126,15 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
         ctx = Context.for_kv(it.kv, model_ref, config)
         ctx.extras.update(it.extras)
         enc_ctxs.append(ctx)
+    from kvbench.measure.run import recall_loss, task_loss  # run.py imports this module
+
+    docs = source.fields.get("eval_documents")
+    nan2 = [math.nan, math.nan]
     delta, recall = [summary["delta_nll"]], [summary.get("delta_nll_recall", math.nan)]
+    # each draw's interval and verdict as the run's own (same documents, blocks, resamples and seed), so a verdict
+    # can be said to hold for every draw or to depend on the draw
+    ci, verdict = [summary.get("delta_nll_ci", nan2)], [summary.get("delta_nll_verdict_1pct", "unresolved")]
+    recall_ci = [summary.get("delta_nll_recall_ci", nan2)]
     for windows in draw_windows:
         calib = []
         for ids in windows:
@@ -138,10 +146,19 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
         prefixes = [kv_hat.slice_tokens(0, it.score_from) for it, kv_hat in zip(scored, outs)]
         comp = [continuation_nlls(handle.model, p, it.continuation) for it, p in zip(scored, prefixes)]
         rec = [continuation_nlls(handle.model, prefixes[i], probes[i]) for i in recall_of]
-        delta.append(_mean_difference(base, comp))
-        recall.append(_mean_difference(recall_base, rec))
+        got = task_loss(base, comp, cfg.metrics, docs)
+        delta.append(got["delta_nll"])
+        ci.append(got["delta_nll_ci"])
+        verdict.append(got["delta_nll_verdict_1pct"])
+        probe = recall_loss(recall_base, rec, cfg.metrics, docs, recall_of)
+        recall.append(probe["delta_nll_recall"])
+        recall_ci.append(probe["delta_nll_recall_ci"])
+    every_draw = verdict[0] if len(set(verdict)) == 1 else "depends on the draw"
     return {"fit_draws": draws, "delta_nll_fit_draws": delta, "delta_nll_fit_spread": spread(delta),
-            "delta_nll_recall_fit_draws": recall, "delta_nll_recall_fit_spread": spread(recall)}
+            "delta_nll_ci_fit_draws": ci, "delta_nll_verdict_fit_draws": verdict,
+            "delta_nll_verdict_every_draw": every_draw,
+            "delta_nll_recall_fit_draws": recall, "delta_nll_recall_fit_spread": spread(recall),
+            "delta_nll_recall_ci_fit_draws": recall_ci}
 
 
 def _check_trace(cfg: Any, handle: ModelHandle, source: Source, every: torch.Tensor) -> None:
@@ -154,9 +171,3 @@ def _check_trace(cfg: Any, handle: ModelHandle, source: Source, every: torch.Ten
             raise ValueError(f"metrics.fit_draws > 1: evaluated window {i} of trace {source.fields.get('trace')} is not "
                              f"window {first + i} of dataset {ds.name!r} as configured; run on the dataset's own trace")
 
-
-def _mean_difference(base: list[np.ndarray], comp: list[np.ndarray]) -> float:
-    if not base:
-        return math.nan
-    b, c = np.concatenate(base), np.concatenate(comp)
-    return float(c.mean() - b.mean())

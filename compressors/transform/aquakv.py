@@ -77,9 +77,8 @@ rounds (rotations, predictions, normal equations) is summed in float64 and round
 :mod:`compressors.predictive.fit_numerics`, so that another BLAS's order of sums moves a stored value only when a
 float64 result lies within a few ulps of a rounding boundary (``tests/test_fit_determinism.py`` fits it with sums
 in another order, another factorization, other thread counts and calibration orders, and compares the bytes).
-Encoder and decoder run the same float64 sums, so that a stream decodes alike on another machine too; they cost
-time: one 1024-token SmolLM2-135M window encoded in 1.4 s against 0.85 s with float32 sums (one thread, a 2-core
-machine under a load average of 6).
+Encoder and decoder run the same float64 sums, so that a stream decodes alike on another machine too, at a cost in
+encode and decode time that ``scripts/bench_compressors.py`` measures.
 """
 
 from __future__ import annotations

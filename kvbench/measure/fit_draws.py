@@ -35,6 +35,7 @@ from kvbench.core.timing import Stopwatch
 from kvbench.inputs.capture import cache_dtype, capture_window, split_windows
 from kvbench.inputs.data import load_documents, sample_windows
 from kvbench.inputs.models import ModelHandle
+from kvbench.measure.metrics.paired_loss import recall_loss, task_loss
 from kvbench.measure.metrics.task_loss import continuation_nlls
 from kvbench.store.results import NLL_KEY
 
@@ -126,8 +127,6 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
         ctx = Context.for_kv(it.kv, model_ref, config)
         ctx.extras.update(it.extras)
         enc_ctxs.append(ctx)
-    from kvbench.measure.run import recall_loss, task_loss  # run.py imports this module
-
     docs = source.fields.get("eval_documents")
     nan2 = [math.nan, math.nan]
     delta, recall = [summary["delta_nll"]], [summary.get("delta_nll_recall", math.nan)]

@@ -4,7 +4,7 @@ A page is built from run summaries; the summaries' delta NLL, its interval and i
 the long-range recall probe's) are statistics of the per-token NLLs each run keeps in ``nll.npz``. Rebuilding a page
 from its summaries proves the page says what the summaries say, not that the summaries say what the tokens do: this
 module recomputes those statistics from the stored arrays with the very functions the run measured them with
-(:func:`kvbench.measure.run.task_loss`, :func:`~kvbench.measure.run.recall_loss`: the same documents, blocks,
+(:func:`kvbench.measure.metrics.paired_loss.task_loss`, :func:`~kvbench.measure.metrics.paired_loss.recall_loss`: the same documents, blocks,
 resamples and seed) and names every field that differs. The NLLs are computed in float32 and stored as float32, so
 a run's statistics come back to the last bit; the comparison allows :data:`RELATIVE` for a different numpy build, far
 below what one edited token moves (one float32 step of one token among thousands moves a mean by about 1e-10).
@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbench.measure.metrics.paired_loss import recall_loss, task_loss
 from kvbench.store.integrity import IntegrityError
 from kvbench.store.results import NLL_FILE, read_nll
 
@@ -92,7 +93,6 @@ def recompute_run(run_dir: str | Path) -> tuple[list[str], list[str]]:
     ``nll.npz`` that its summary states otherwise."""
     import numpy as np
 
-    from kvbench.measure.run import recall_loss, task_loss
 
     run_dir = Path(run_dir)
     if not (run_dir / SUMMARY).exists():

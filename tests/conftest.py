@@ -50,6 +50,35 @@ def tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, head_dim: int 
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_windows(lengths, seed: int = 7, model_seed: int = 5):
+    """A tiny random Llama and one float16 window of random token ids per length, its KV captured from the model:
+    ``(model, [KVSequence, ...])``, the ids kept on each."""
+    from kvbench.inputs.capture import capture_window
+
+    model = tiny_llama(seed=model_seed)
+    g = torch.Generator().manual_seed(seed)
+
+    def window(T: int) -> KVSequence:
+        ids = torch.randint(0, 128, (T,), generator=g)
+        got = capture_window(model, ids, T, torch.float16)
+        return KVSequence(got["k"], got["v"], ids)
+
+    return model, [window(T) for T in lengths]
+
+
+def letter_corpus(tmp_path: Path, n_docs: int) -> tuple[Path, list[str]]:
+    """``n_docs`` documents of random letters in a JSONL file: a window's text is found in exactly one of them."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), size=120)) for _ in range(n_docs)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    return path, docs
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()

@@ -3,7 +3,7 @@ allowed, or recorded as it was applied."""
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_windows
 from omegaconf import OmegaConf
 
 from compressors.eviction.evict import protected_kept, select
@@ -12,8 +12,7 @@ from compressors.eviction.snapkv import SnapKV
 from compressors.eviction.streaming_llm import StreamingLLM
 from compressors.transform.waterfill import Waterfill
 from kvbench.core.config import compose
-from kvbench.core.kv import Context, KVSequence
-from kvbench.inputs.capture import capture_window
+from kvbench.core.kv import Context
 from kvbench.inputs.models import ModelHandle, resolve_model_dir
 
 # ---------------------------------------------------------------------------------------------- model.path
@@ -76,15 +75,8 @@ def test_protected_tokens_are_the_ones_select_keeps_whatever_the_scores(sinks, w
 
 @pytest.fixture(scope="module")
 def waterfill_trace():
-    model = tiny_llama(seed=5)
-    g = torch.Generator().manual_seed(7)
-
-    def window(T):
-        ids = torch.randint(0, 128, (T,), generator=g)
-        got = capture_window(model, ids, T, torch.float16)
-        return KVSequence(got["k"], got["v"], ids)
-
-    return model, [window(96), window(96)], window(64)
+    model, (a, b, scored) = tiny_windows([96, 96, 64])
+    return model, [a, b], scored
 
 
 def test_a_waterfill_budget_below_the_fixed_cost_names_the_smallest_possible(waterfill_trace):

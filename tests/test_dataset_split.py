@@ -1,10 +1,9 @@
 """dataset.split: a development split for choosing hyperparameters whose windows come from documents no test
 window or calibration window comes from."""
 
-import json
 
-import numpy as np
 import pytest
+from conftest import letter_corpus
 from omegaconf import OmegaConf
 
 from kvbench.inputs.capture import load_or_capture, split_windows, trace_key
@@ -15,11 +14,7 @@ from kvbench.store.results import cell_key
 @pytest.fixture()
 def corpus(tmp_path):
     """Twelve documents of distinct random letters: a window's text is found in exactly one of them."""
-    rng = np.random.default_rng(0)
-    docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), size=120)) for _ in range(12)]
-    path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    return path, docs
+    return letter_corpus(tmp_path, 12)
 
 
 def _documents(trace, docs, role):

@@ -1,10 +1,8 @@
 """metrics.fit_draws: a fitted coder refitted on further calibration draws, disjoint from each other and from every
 test, calibration and dev window; the run files the spread of its ΔNLL over the draws."""
 
-import json
-
-import numpy as np
 import pytest
+from conftest import letter_corpus
 from omegaconf import OmegaConf
 
 from kvbench.core.config import make_compressor
@@ -20,11 +18,7 @@ COMMON = ["dataset.seq_len=40", "dataset.eval_len=8", "dataset.n_sequences=2", "
 @pytest.fixture()
 def corpus(tmp_path):
     """Sixteen documents of distinct random letters: a window's text is found in exactly one of them."""
-    rng = np.random.default_rng(0)
-    docs = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), size=120)) for _ in range(16)]
-    path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    return path, docs
+    return letter_corpus(tmp_path, 16)
 
 
 def _document(tokens, docs) -> int:

@@ -3,28 +3,20 @@
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_windows
 
 from compressors.transform.waterfill import Waterfill
 from compressors.transform.waterfill_allocation import assign_tiers, tier_sizes, water_level, widths_at
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bytes
 from kvbench.core.kv import Context, KVSequence
-from kvbench.inputs.capture import capture_window
 
 
 @pytest.fixture(scope="module")
 def trace():
     """A tiny random Llama, two calibration windows and one evaluated window with its token ids (float16 KV)."""
-    model = tiny_llama(seed=5)
-    g = torch.Generator().manual_seed(7)
-
-    def window(T):
-        ids = torch.randint(0, 128, (T,), generator=g)
-        got = capture_window(model, ids, T, torch.float16)
-        return KVSequence(got["k"], got["v"], ids)
-
-    return model, [window(192), window(192)], window(128)
+    model, (a, b, scored) = tiny_windows([192, 192, 128])
+    return model, [a, b], scored
 
 
 def _fitted(model, calib, **fields) -> Waterfill:

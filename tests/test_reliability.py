@@ -18,7 +18,7 @@ from kvbench.store.paths import repo_root
 
 SOURCE = repo_root() / "results" / "evidence" / "pages" / "reliability.md"
 #: the compressors the page's findings name, and one whose format has a content check
-CASES = ("identity", "fp8", "kivi", "lossless", "delta", "delta/laplace", "recompute", "speculative")
+CASES = ("identity", "fp8", "kivi", "lossless", "delta", "delta/laplace", "recompute", "speculative", "waterfill", "kvtc")
 
 
 def _script():

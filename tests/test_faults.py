@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from compressors.exact.identity import Identity
 
 ARRIVE_S = 120  # bounds the wait for the other sweep to reach the cell (it always does: both sweep the same cells)
-JOIN_S = 10  # without the lock the other sweep, once at the cell, is in its encoder within a second
+JOIN_S = 4  # without the lock the other sweep, once at the cell, is in its encoder within a second
 
 
 def _fault(where, tag):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvbench.core.kv import KVSequence
+from kvbench.core.kv import Context, KVSequence
 
 
 @dataclass
@@ -34,3 +34,14 @@ class Source:
     calib: Callable[[], Sequence[KVSequence]]
     fields: dict[str, Any]
     calib_id: str = ""  # names the calibration set, for the fitted-state cache
+
+
+def coding_contexts(items: Sequence[Item], model: Any, config: Any) -> tuple[list[Context], list[Context]]:
+    """Fresh encoder and decoder contexts for coding ``items``: the encoder's carry each item's ``extras``, which
+    never reach the decoder's."""
+    enc = []
+    for it in items:
+        ctx = Context.for_kv(it.kv, model, config)
+        ctx.extras.update(it.extras)
+        enc.append(ctx)
+    return enc, [Context.for_kv(it.kv, model, config) for it in items]

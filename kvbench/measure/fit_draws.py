@@ -29,8 +29,8 @@ import torch
 
 from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor, fits, rebuild
-from kvbench.core.items import Source
-from kvbench.core.kv import Context, KVSequence
+from kvbench.core.items import Source, coding_contexts
+from kvbench.core.kv import KVSequence
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.capture import cache_dtype, capture_window, split_windows
 from kvbench.inputs.data import load_documents, sample_windows
@@ -122,11 +122,6 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
     probes = {i: recall_probe(scored[i].kv.tokens[: scored[i].score_from], start, span) for i in recall_of}
     base = summary[NLL_KEY][0]  # (base, compressed, recall arrays): the 16-bit NLLs, shared by every draw
     kvs = [it.kv for it in scored]
-    enc_ctxs = []
-    for it in scored:
-        ctx = Context.for_kv(it.kv, model_ref, config)
-        ctx.extras.update(it.extras)
-        enc_ctxs.append(ctx)
     docs = source.fields.get("eval_documents")
     nan2 = [math.nan, math.nan]
     delta, recall = [summary["delta_nll"]], [summary.get("delta_nll_recall", math.nan)]
@@ -140,8 +135,8 @@ def draw_spread(cfg: Any, compressor: Compressor, handle: ModelHandle, source: S
             got = capture_window(handle.model, ids, T, dtype, pre_rope)
             calib.append(KVSequence(got["k"], got["v"], ids[:T], got.get("k_pre_rope")))
         codec = prepare(rebuild(compressor), lambda calib=calib: calib, cfg.device, None, config)
-        outs, _, _ = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref, config) for kv in kvs],
-                          Stopwatch(cfg.device), Stopwatch(cfg.device))
+        outs, _, _ = code(codec, kvs, *coding_contexts(scored, model_ref, config), Stopwatch(cfg.device),
+                          Stopwatch(cfg.device))
         prefixes = [kv_hat.slice_tokens(0, it.score_from) for it, kv_hat in zip(scored, outs)]
         comp = [continuation_nlls(handle.model, p, it.continuation) for it, p in zip(scored, prefixes)]
         rec = [continuation_nlls(handle.model, prefixes[i], probes[i]) for i in recall_of]

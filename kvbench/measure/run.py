@@ -21,7 +21,7 @@ from tqdm import tqdm
 from kvbench.coding.bitstream import Bitstream
 from kvbench.core.codec import Codec, prepare, state_cache_path
 from kvbench.core.compressor import Compressor, SetCompressor
-from kvbench.core.items import Item, Source
+from kvbench.core.items import Item, Source, coding_contexts
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.machine import conditions
 from kvbench.core.rope import Rotary
@@ -154,13 +154,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
 
     codec = prepare(compressor, source.calib, cfg.device, state_cache_path(compressor, source.calib_id), config)
     kvs = [it.kv for it in source.items]
-    enc_ctxs = []
-    for it in source.items:
-        ctx = Context.for_kv(it.kv, model_ref, config)
-        ctx.extras.update(it.extras)
-        enc_ctxs.append(ctx)
     enc, dec = Stopwatch(cfg.device), Stopwatch(cfg.device)
-    outs, bits, parts = code(codec, kvs, enc_ctxs, [Context.for_kv(kv, model_ref, config) for kv in kvs], enc, dec)
+    outs, bits, parts = code(codec, kvs, *coding_contexts(source.items, model_ref, config), enc, dec)
 
     dist = DistortionAccumulator()
     dist_all = DistortionAccumulator()  # every entry, an evicted one as the zero vector a decoder leaves there

@@ -80,7 +80,7 @@ def test_roundtrip_shapes_accounting_and_checksum(name):
 def check_distortion(case) -> None:
     """The decoded cache against what the class declares of its default configuration: a relative MSE of K and of
     V (measured as the harness does, on the entries the decoder keeps) under ``max_rel_mse``; an eviction method
-    keeps its kept entries exact and drops exactly ``T - round(keep * T)`` of every (layer, KV head); a
+    keeps its kept entries exact and drops exactly ``T - floor(keep * T)`` of every (layer, KV head); a
     compressor that keeps every token drops none."""
     comp = case.encoder
     bound = type(comp).max_rel_mse

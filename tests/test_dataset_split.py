@@ -6,8 +6,8 @@ import pytest
 from conftest import letter_corpus
 from omegaconf import OmegaConf
 
-from kvbench.inputs.capture import load_or_capture, split_windows, trace_key
-from kvbench.measure.run import window_documents
+from kvbench.inputs.capture import eval_windows, load_or_capture, trace_key
+from kvbench.inputs.layout import ROLES, capture_windows, role_windows
 from kvbench.store.results import cell_key
 
 
@@ -35,9 +35,26 @@ def test_the_dev_split_scores_other_documents_with_the_same_calibration(tiny_cfg
     scored = set(_documents(test, docs, "eval")) | set(_documents(test, docs, "calib"))
     assert not set(_documents(dev, docs, "eval")) & scored
     assert _documents(dev, docs, "calib") == _documents(test, docs, "calib")  # fitted coders fit the same windows
-    assert dev.manifest["dataset"]["split"] == "dev" and split_windows(dev_cfg.dataset) == (5, 8)
-    # the interval's documents are the dev windows' own
-    assert window_documents(dev_cfg.dataset, 3).tolist() == [5, 6, 7]
+    assert dev.manifest["dataset"]["split"] == "dev" and eval_windows(dev_cfg.dataset) == [1, 5, 9]
+    # the interval resamples the documents the windows were cut from, as the capture recorded them
+    for trace in (test, dev):
+        assert trace.manifest["documents"] == _documents(trace, docs, "eval") + _documents(trace, docs, "calib")
+
+
+@pytest.mark.parametrize("n,calib", [(1, 1), (4, 2), (16, 2), (3, 16)])
+def test_no_window_serves_two_roles_and_a_larger_split_begins_with_the_smaller(n, calib):
+    ds = OmegaConf.create({"n_sequences": n, "n_calib": calib})
+    taken = {role: role_windows(role, 2 * n + calib) for role in ROLES}
+    for a in ROLES:
+        for b in ROLES:
+            assert a == b or not set(taken[a]) & set(taken[b])
+    for split in ("test", "dev"):
+        evaluated, calibration = capture_windows(ds, split)
+        assert evaluated == taken[split][:n] and calibration == taken["calib"][:calib]
+        # the default four test windows are the first four of sixteen, the dev windows likewise
+        bigger = capture_windows(OmegaConf.create({"n_sequences": 4 * n, "n_calib": calib}), split)[0]
+        assert bigger[:n] == evaluated
+        assert not set(bigger) & set(capture_windows(ds, "dev" if split == "test" else "test")[0])
 
 
 def test_the_test_split_keeps_the_keys_it_had_and_a_bad_split_names_the_choices(tiny_cfg):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from compressors.eviction.evict import select
+from compressors.eviction.evict import n_kept, select
 from compressors.eviction.expected_attention import ExpectedAttention
 from compressors.eviction.h2o import H2O, accumulated_scores
 from compressors.eviction.kept_positions import (
@@ -262,7 +262,7 @@ def test_keep_outside_the_unit_interval_names_the_field_and_range(keep):
 
 def test_a_keep_that_would_keep_nothing_names_the_field_and_the_range(random_kv):
     kv = random_kv(T=40)
-    with pytest.raises(ValueError, match=r"random_eviction\.keep=0\.01 keeps .* = 0 of 40 tokens.*0\.0125 <= keep <= 1"):
+    with pytest.raises(ValueError, match=r"random_eviction\.keep=0\.01 keeps .* = 0 of 40 tokens.*0\.025 <= keep <= 1"):
         RandomEviction(keep=0.01).encode(kv, Context.for_kv(kv))
 
 
@@ -406,14 +406,47 @@ def test_expected_attention_averages_rope_over_the_future_positions(trace):
     torch.testing.assert_close(torch.einsum("lhtd,lde->lhte", x, M4), mean)
 
 
-def test_snapkv_scores_are_the_pooled_window_attention(trace):
+def test_snapkv_scores_are_the_window_attention_averaged_as_the_reference_pools_it(trace):
     _, kv, ctx = trace
     comp = SnapKV(keep=0.3, window=8, kernel=3)
+    assert comp.pooling == "avg"
     qs = capture_queries("test", kv, ctx, T - 8)
     attn = attention_sums(qs, kv.k)[..., : T - 8]  # (L, Hq, T - 8)
+    # kvpress's SnapKVPress: the window's mean attention, averaged over the kernel with the padded edges counted as
+    # zeros, averaged over each KV head's query heads; its scale differs, its order does not
+    L = kv.shape[0]
+    mean = attn / 8
+    padded = torch.nn.functional.pad(mean, (1, 1))  # zeros at both edges
+    pooled = (padded[..., :-2] + padded[..., 1:-1] + padded[..., 2:]) / 3  # (L, Hq, T - 8)
+    reference = pooled.reshape(L, 2, 2, T - 8).mean(2)  # two query heads per KV head
+    got = comp.scores(kv, ctx)[..., : T - 8]
+    torch.testing.assert_close(got, reference * 8 * 2)
+    k = n_kept("snapkv", 0.3, T)
+    assert torch.equal(comp.kept_mask(kv, ctx), select(torch.nn.functional.pad(reference, (0, 8)), k, 0, 8))
+    # the edges are averaged over the padding: an average over real neighbours only would differ there
+    real = torch.nn.functional.avg_pool1d(mean.reshape(-1, 1, T - 8), 3, 1, 1, count_include_pad=False)
+    assert not torch.allclose(got[..., 0], real.reshape(L, 4, T - 8).reshape(L, 2, 2, T - 8).sum(2)[..., 0] * 8)
+
+
+def test_snapkv_max_pooling_is_a_variant(trace):
+    _, kv, ctx = trace
+    comp = SnapKV(keep=0.3, window=8, kernel=3, pooling="max")
+    attn = attention_sums(capture_queries("test", kv, ctx, T - 8), kv.k)[..., : T - 8]  # (L, Hq, T - 8)
     pooled = torch.nn.functional.max_pool1d(attn.reshape(-1, 1, T - 8), 3, 1, 1).reshape(attn.shape)
     expect = pooled.reshape(kv.shape[0], 2, 2, T - 8).sum(2)  # two query heads per KV head
     torch.testing.assert_close(comp.scores(kv, ctx)[..., : T - 8], expect)
+
+
+def test_the_kept_count_is_the_reference_floor_and_h2o_keeps_no_recent_window_by_default(trace):
+    # kvpress keeps int(T * (1 - compression_ratio)) tokens
+    assert [n_kept("x", 0.5, t) for t in (255, 256, 257)] == [int(t * (1 - 0.5)) for t in (255, 256, 257)]
+    assert n_kept("x", 0.3, 10) == 3 and n_kept("x", 0.7, 10) == 7  # not 2 and 6 for 0.3 x 10 = 2.9999...
+    with pytest.raises(ValueError, match=r"keeps floor\(0.001 x 256\) = 0 of 256 tokens per head"):
+        n_kept("x", 0.001, 256)
+    _, kv, ctx = trace
+    assert H2O().recent == 0.0 and H2O(keep=0.3).protected(T, 24) == (0, 0)
+    kept = H2O(keep=0.3).kept_mask(kv, ctx)
+    assert torch.equal(kept, select(H2O(keep=0.3).scores(kv, ctx), n_kept("h2o", 0.3, T)))
 
 
 def test_a_run_counts_positions_and_reports_the_dropped_share(tiny_cfg, tiny_handle):

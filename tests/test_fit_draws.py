@@ -17,8 +17,9 @@ COMMON = ["dataset.seq_len=40", "dataset.eval_len=8", "dataset.n_sequences=2", "
 
 @pytest.fixture()
 def corpus(tmp_path):
-    """Sixteen documents of distinct random letters: a window's text is found in exactly one of them."""
-    return letter_corpus(tmp_path, 16)
+    """Twenty-four documents of distinct random letters (the roles take every fourth window: three draws of two
+    calibration windows reach window 24): a window's text is found in exactly one of them."""
+    return letter_corpus(tmp_path, 24)
 
 
 def _document(tokens, docs) -> int:
@@ -49,7 +50,7 @@ def test_calibration_draws_are_disjoint_from_each_other_and_from_test_calibratio
 
 def test_a_text_that_cuts_its_windows_otherwise_for_a_longer_draw_is_refused(tiny_cfg, tiny_handle):
     cfg = tiny_cfg(*COMMON)  # one document: more windows are cut from it at other offsets
-    with pytest.raises(ValueError, match=r"cuts its windows differently .* could overlap the test split's"):
+    with pytest.raises(ValueError, match=r"cuts its windows differently .* could overlap the test and dev splits' windows"):
         calibration_draws(cfg.dataset, tiny_handle.tokenizer, 3)
 
 

@@ -81,9 +81,22 @@ def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
     assert s["delta_nll_verdict_1pct"] in ("within", "not within", "unresolved")
     assert s["delta_nll_mde"] == pytest.approx(2.8016 * (high - low) / (2 * 1.95996), rel=1e-4)
     assert s["eval_documents"] == [0, 0] and s["eval_documents_n"] == 1  # both windows come from the one text file
+    line = 0.01 * s["nll_base"]
+    assert s["delta_nll_ci_half_width_rel"] == pytest.approx((high - low) / 2 / line)
     exact = tiny_cfg("+compressor=identity", "dataset.eval_len=48")
     e, _ = measure(exact, make_compressor(exact.compressor), tiny_handle)
     assert e["delta_nll"] == 0.0 and e["delta_nll_ci"] == [0.0, 0.0] and e["delta_nll_verdict_1pct"] == "within"
+
+
+def test_an_unresolved_verdict_says_how_many_documents_its_spread_would_need():
+    from kvbench.measure.metrics.paired_loss import decidability
+
+    # half-width 0.02 around 0.025 against a line at 0.03 on 4 documents: to clear the line by its 0.005 gap the
+    # half-width must shrink 4-fold, so 16 times the documents
+    got = decidability(0.025, [0.005, 0.045], 0.03, 4)
+    assert got == {"delta_nll_ci_half_width_rel": pytest.approx(2 / 3), "delta_nll_documents_needed": 64}
+    assert "delta_nll_documents_needed" not in decidability(0.01, [0.0, 0.02], 0.03, 4)  # decided: within
+    assert decidability(0.03, [0.01, 0.05], 0.03, 4)["delta_nll_documents_needed"] is None  # on the line
 
 
 def test_documents_are_a_level_of_the_resampling():
@@ -116,19 +129,32 @@ def test_two_level_interval_covers_the_mean_over_documents():
     assert hits / 200 >= 0.92 and blocks_hits / 200 < 0.85  # blocks alone miss the between-document spread
 
 
-def test_windows_are_assigned_the_documents_they_were_drawn_from(tmp_path):
-    from omegaconf import OmegaConf
-
+def test_windows_are_assigned_the_documents_their_capture_recorded():
     from kvbench.measure.run import window_documents
 
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join('{"text": "%s"}\n' % ("word " * 50) for _ in range(3)))
-    ds = lambda n_seq, n_cal: OmegaConf.create({"name": "text", "path": str(path), "field": "text",  # noqa: E731
-                                                "n_sequences": n_seq, "n_calib": n_cal})
-    assert window_documents(ds(2, 1), 2).tolist() == [0, 1]  # three documents, three windows: one each
-    assert window_documents(ds(4, 2), 4).tolist() == [0, 0, 1, 1]  # six windows of three documents: two each
-    gone = OmegaConf.create({"name": "text", "path": str(tmp_path / "gone.txt"), "field": "text", "n_sequences": 2, "n_calib": 0})
-    assert window_documents(gone, 2).tolist() == [0, 1]
+    assert window_documents({"documents": [7, 3, 3, 9]}, 3) == [7, 3, 3]
+    # a trace that records none (another tool's): every window a document of its own
+    assert window_documents({}, 2) == [0, 1] and window_documents({"documents": [4]}, 2) == [0, 1]
+
+
+def test_draw_windows_names_the_document_of_every_window(tmp_path):
+    import torch
+    from conftest import letter_corpus
+
+    from kvbench.inputs.data import draw_windows, sample_windows
+
+    class Chars:
+        bos_token_id = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return type("Enc", (), {"input_ids": [ord(c) for c in text]})()
+
+    _, docs = letter_corpus(tmp_path, 5)
+    for n in (3, 5, 8):  # fewer, as many and more windows than documents
+        windows, of = draw_windows(docs, Chars(), n, 30, seed=1)
+        assert len(of) == n and torch.equal(windows, sample_windows(docs, Chars(), n, 30, seed=1))
+        for w, d in zip(windows, of):
+            assert "".join(map(chr, w.tolist())) in docs[d]
 
 
 def test_the_recall_probe_repeats_an_early_passage():

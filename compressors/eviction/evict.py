@@ -5,7 +5,7 @@ reported as the fraction of tokens pruned; here a method is a compressor like an
 decoder needs:
 
 - the kept KV, at 16 bits or through any ``inner`` compressor (``inner=turboquant``: eviction, then quantization
-  of what is left). Every (layer, KV head) keeps exactly ``round(keep * T)`` entries, so the kept KV packs as
+  of what is left). Every (layer, KV head) keeps exactly ``floor(keep * T)`` entries (kvpress's count), so the kept KV packs as
   ``(L, H, K, D)`` and the inner compressor codes it as a sequence of ``K`` tokens;
 - the kept positions of every (layer, KV head) (most methods keep different positions per head: KNorm and SnapKV
   overlap by about half between heads on SmolLM2; TOVA by default keeps one set per layer, coded once per head),
@@ -44,12 +44,17 @@ from kvbench.core.kv import Context, KVSequence
 # ---------------------------------------------------------------------------------------------- selection
 
 
+#: how far below a whole number ``keep * T`` may fall and still count as it (``0.3 * 10`` is 3 in decimal, not in binary)
+_SLACK = 1e-9
+
+
 def n_kept(owner: str, keep: float, n_tokens: int) -> int:
-    """``round(keep * T)`` (halves round up), the entries each (layer, KV head) keeps; at least one."""
-    k = math.floor(keep * n_tokens + 0.5)
+    """``floor(keep * T)``, the entries each (layer, KV head) keeps, as kvpress counts them (``int(T * (1 -
+    compression_ratio))``, so that a cell at one keep keeps what kvpress's press keeps); at least one."""
+    k = math.floor(keep * n_tokens + _SLACK)
     if k < 1:
-        raise ValueError(f"{owner}.keep={keep!r} keeps round({keep} x {n_tokens}) = 0 of {n_tokens} tokens per head; "
-                         f"allowed for {n_tokens} tokens: {0.5 / n_tokens:.6g} <= keep <= 1")
+        raise ValueError(f"{owner}.keep={keep!r} keeps floor({keep} x {n_tokens}) = 0 of {n_tokens} tokens per head; "
+                         f"allowed for {n_tokens} tokens: {1 / n_tokens:.6g} <= keep <= 1")
     return k
 
 
@@ -108,7 +113,7 @@ def _unembed(sec: Mapping[str, bytes]) -> Bitstream:
 class Eviction(Compressor):
     """Keep the ``keep`` fraction of tokens with the highest :meth:`scores` in every (layer, KV head).
 
-    ``keep``: fraction of the ``T`` tokens each (layer, KV head) keeps, ``0 < keep <= 1`` (``round(keep * T)``
+    ``keep``: fraction of the ``T`` tokens each (layer, KV head) keeps, ``0 < keep <= 1`` (``floor(keep * T)``
     entries, at least one). ``inner``: how the kept KV is stored; None stores it at 16 bits, else a compressor
     (a config name such as ``turboquant``, a ``{name: ..., FIELD: ...}`` node or a Compressor) that codes the kept
     vectors as a sequence of ``K`` tokens. That sequence is not contiguous in position, so an inner coder that

@@ -1,5 +1,5 @@
-"""H2O (Zhang et al., arXiv 2306.14048): heavy hitters by attention accumulated over the prefill, plus the most
-recent tokens."""
+"""H2O (Zhang et al., arXiv 2306.14048): heavy hitters by attention accumulated over the prefill, as kvpress's
+ObservedAttentionPress scores them (optionally with the paper's recent window)."""
 
 from __future__ import annotations
 
@@ -31,16 +31,17 @@ def accumulated_scores(sums: torch.Tensor, n_kv_heads: int, normalize: bool) -> 
 class H2O(Eviction):
     """H2O (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
     arXiv 2306.14048): heavy hitters by attention accumulated over every query of the prefill, summed over each
-    KV head's query heads, plus the most recent tokens. ``recent`` is the share of the budget given to the recent
-    window (the paper splits it evenly).
+    KV head's query heads. The defaults are the reference kvbench checks against token by token, kvpress's
+    ``ObservedAttentionPress``: every kept token is a heavy hitter (``recent=0``). ``recent`` is the share of the
+    budget given to the most recent tokens instead; the paper splits it evenly (``recent=0.5``).
 
-    ``normalize=True`` (the reference, as kvpress's ``ObservedAttentionPress``): each key's accumulated attention
+    ``normalize=True`` (the reference): each key's accumulated attention
     is divided by the number of queries that can see it, ``T - i`` for key ``i`` under the causal mask, so early
     keys are not favoured merely for being seen by more queries. As in kvpress the count ignores a layer's sliding
     window (the two agree while ``T`` is within it). ``normalize=False`` keeps the raw causal sum.
     """
 
-    recent: float = 0.5
+    recent: float = 0.0
     normalize: bool = True
 
     name = "h2o"

@@ -17,14 +17,20 @@ class SnapKV(Eviction):
     """SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469).
 
     The last ``window`` tokens are the observation window and are kept; every earlier key is scored by the
-    attention the window's queries pay it, summed over the window, pooled along the tokens (``pooling`` over
-    ``kernel`` neighbours, so that a kept token brings its neighbourhood) and summed over the query heads that
-    share the KV head. The encoder recomputes the window's queries with the model (:func:`capture_queries`).
+    attention the window's queries pay it, summed over the window, pooled along the tokens over ``kernel``
+    neighbours (so that a kept token brings its neighbourhood) and summed over the query heads that share the KV
+    head. The encoder recomputes the window's queries with the model (:func:`capture_queries`).
+
+    ``pooling="avg"`` (the default) is the reference: SnapKV's own code and kvpress's ``SnapKVPress`` average over
+    the kernel with the padded edges counted as zeros (``avg_pool1d``'s default), so the first and last scored
+    tokens' averages are taken over fewer real neighbours. ``pooling="max"`` is a variant (max over the kernel).
+    Summing rather than averaging over the window and the query heads scales every score alike and keeps the same
+    tokens.
     """
 
     window: int = 64
     kernel: int = 5
-    pooling: str = "max"
+    pooling: str = "avg"
 
     name = "snapkv"
     needs_model = True
@@ -43,7 +49,6 @@ class SnapKV(Eviction):
         qs = capture_queries(self.name, kv, ctx, T - w)
         attn = attention_sums(qs, kv.k)[..., : T - w]  # (L, Hq, T - w) the window's own keys are kept anyway
         pool = torch.nn.functional.max_pool1d if self.pooling == "max" else torch.nn.functional.avg_pool1d
-        kwargs = {} if self.pooling == "max" else {"count_include_pad": False}
-        pooled = pool(attn.reshape(-1, 1, T - w), self.kernel, stride=1, padding=self.kernel // 2, **kwargs)
+        pooled = pool(attn.reshape(-1, 1, T - w), self.kernel, stride=1, padding=self.kernel // 2)
         scores = per_kv_head(pooled.reshape(attn.shape), H)  # (L, H, T - w)
         return torch.nn.functional.pad(scores, (0, w))  # (L, H, T) the window is protected

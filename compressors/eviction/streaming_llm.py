@@ -16,7 +16,7 @@ from kvbench.core.kv import Context, KVSequence
 class StreamingLLM(Eviction):
     """StreamingLLM (Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models with Attention Sinks",
     arXiv 2309.17453): the first ``sinks`` tokens (attention sinks) and the most recent ones; ``keep`` sets the
-    recent window to ``round(keep * T) - sinks`` tokens. The positions cost a few bits per head."""
+    recent window to ``floor(keep * T) - sinks`` tokens. The positions cost a few bits per head."""
 
     sinks: int = 4
 

@@ -32,7 +32,9 @@ from safetensors.torch import load, save_file
 
 from kvbench import __version__
 from kvbench.core.kv import KVSequence
-from kvbench.inputs.data import load_documents, sample_windows
+from kvbench.inputs.assets import AssetError
+from kvbench.inputs.data import draw_windows, load_documents
+from kvbench.inputs.layout import ROLES, capture_windows, windows_drawn
 from kvbench.inputs.models import ModelHandle, describe
 from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
 from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
@@ -123,7 +125,8 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 #: the modules whose code decides what a captured trace holds (windows drawn from the text, the model as loaded, the
 #: forward pass and what is kept of it): their source is part of every trace's cache key
-CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.data", "kvbench.inputs.models", "kvbench.core.kv")
+CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.data", "kvbench.inputs.layout", "kvbench.inputs.models",
+                "kvbench.core.kv")
 
 
 def capture_code_version() -> str:
@@ -166,13 +169,22 @@ def split_of(ds: Any) -> str:
     return split
 
 
-def split_windows(ds: Any) -> tuple[int, int]:
-    """``(first, total)``: the evaluated windows are draws ``first .. first + n_sequences - 1`` of the dataset's
-    seeded window order and ``total`` are drawn. ``test`` scores the first ``n_sequences`` draws; ``dev`` the
-    ``n_sequences`` draws after the test and calibration windows (other documents whenever the text has more
-    documents than windows), so a hyperparameter chosen on ``dev`` never saw a test window."""
-    n, calib = int(ds.n_sequences), int(ds.n_calib)
-    return (0, n + calib) if split_of(ds) == "test" else (n + calib, 2 * n + calib)
+def eval_windows(ds: Any) -> list[int]:
+    """The indices in the dataset's seeded window order of the windows ``dataset.split`` scores
+    (:mod:`kvbench.inputs.layout`: disjoint from the other split's, the calibration windows and the fit draws)."""
+    return capture_windows(ds, split_of(ds))[0]
+
+
+def dataset_windows(ds: Any, tokenizer: Any, calib_windows: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """The dataset's seeded window order as far as a capture of ``ds`` (and ``calib_windows`` further calibration
+    windows) reaches: ``(windows, documents)``, each window ``seq_len + eval_len + 1`` tokens."""
+    n = windows_drawn(ds, calib_windows)
+    try:
+        return draw_windows(load_documents(ds), tokenizer, n, int(ds.seq_len) + int(ds.eval_len) + 1, int(ds.seed))
+    except AssetError as e:
+        raise AssetError(f"{e} ({n} windows: the {', '.join(ROLES)} roles take every {len(ROLES)}th window of the "
+                         f"text, {len(ROLES)} x max(n_sequences={ds.n_sequences}, n_calib={ds.n_calib}"
+                         f"{f', {calib_windows} calibration draws' if calib_windows else ''}))") from e
 
 
 class TraceFolderNotWritable(ValueError):
@@ -223,11 +235,10 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
 
     check_trace_folder(out)
     ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
-    first, drawn = split_windows(ds)
-    every = sample_windows(load_documents(ds), handle.tokenizer, drawn, ds.seq_len + ds.eval_len + 1, ds.seed)
-    total = ds.n_sequences + ds.n_calib
-    # the calibration windows follow the test windows in either split; a dev split's own come last
-    windows = torch.cat([every[first : first + ds.n_sequences], every[ds.n_sequences : ds.n_sequences + ds.n_calib]])
+    every, docs = dataset_windows(ds, handle.tokenizer)
+    evaluated, calibration = capture_windows(ds, split_of(ds))
+    taken = evaluated + calibration
+    windows = every[taken]
     info = describe(handle.model, cfg.model.name, cfg.model.source, getattr(handle, "_meta", {}))
     roles = ["eval"] * ds.n_sequences + ["calib"] * ds.n_calib
     t0 = time.perf_counter()
@@ -245,12 +256,16 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
             "dtype": cfg.dtype,
             "dataset": {**{k: ds[k] for k in ds}, "split": split_of(ds)},
             "roles": roles,
+            # where each window is in the dataset's window order and which document (index among the text's
+            # documents, as loaded) it is cut from: the interval resamples documents by these
+            "window_order": taken,
+            "documents": [docs[i] for i in taken],
             "pre_rope": bool(cfg.capture.pre_rope),
             "kvbench_version": __version__,
             "git_sha": git_sha(),
             "capture_code": capture_code_version(),
             "capture_s": elapsed,
-            "prefill_tokens_per_s": total * ds.seq_len / elapsed,
+            "prefill_tokens_per_s": len(taken) * ds.seq_len / elapsed,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "capture_command": capture_command(cfg, out),
             "files": files,

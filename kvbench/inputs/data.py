@@ -55,11 +55,17 @@ def adds_bos(tokenizer: Any) -> bool:
 
 
 def sample_windows(docs: list[str], tokenizer: Any, n: int, length: int, seed: int) -> torch.Tensor:
-    """``n`` non-overlapping windows of ``length`` tokens, ``(n, length)`` int64, the same for the same seed.
+    """The ``(n, length)`` windows of :func:`draw_windows`, without their documents."""
+    return draw_windows(docs, tokenizer, n, length, seed)[0]
+
+
+def draw_windows(docs: list[str], tokenizer: Any, n: int, length: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """``n`` non-overlapping windows of ``length`` tokens, ``(n, length)`` int64, the same for the same seed, and the
+    index in ``docs`` of the document each comes from.
 
     Documents are visited in a seeded order and each gives one window at a seeded offset; when there are fewer
-    long-enough documents than windows, documents give several non-overlapping ones. Models whose tokenizer
-    starts every text with BOS get BOS as each window's first token.
+    documents than windows, documents give several non-overlapping ones. Models whose tokenizer starts every text
+    with BOS get BOS as each window's first token.
     """
     rng = np.random.default_rng(seed)
     bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
@@ -67,6 +73,7 @@ def sample_windows(docs: list[str], tokenizer: Any, n: int, length: int, seed: i
     order = rng.permutation(len(docs))
     per_doc = 1 if len(docs) >= n else -(-n // max(len(docs), 1))
     windows: list[list[int]] = []
+    of: list[int] = []
     for i in order:
         ids = tokenizer(docs[i], add_special_tokens=False).input_ids
         slots = len(ids) // body
@@ -79,8 +86,9 @@ def sample_windows(docs: list[str], tokenizer: Any, n: int, length: int, seed: i
         for s in sorted(rng.choice(slots, size=take, replace=False)):
             start = shift + int(s) * body
             windows.append(bos + ids[start : start + body])
+            of.append(int(i))
         if len(windows) == n:
-            return torch.tensor(windows, dtype=torch.long)
+            return torch.tensor(windows, dtype=torch.long), of
     raise AssetError(
         f"the dataset holds only {len(windows)} windows of {length} tokens; need {n}: lower dataset.seq_len, "
         "dataset.eval_len or dataset.n_sequences, or use a larger text"

@@ -9,13 +9,12 @@ scores the run's evaluated windows with each fit, and files the spread of ΔNLL 
 max}``, the draws' values in ``delta_nll_fit_draws`` and ``delta_nll_recall_fit_draws``. The run's headline figures
 stay those of its own fit (draw 0).
 
-Where the draws come from: the dataset's seeded window order (:func:`kvbench.inputs.data.sample_windows`) gives the
-test windows first, then the calibration windows, then the dev split's (:func:`kvbench.inputs.capture.split_windows`);
-draw ``k >= 1`` takes the ``n_calib`` windows after all of those and after the draws before it. One call of
-``sample_windows`` never gives two overlapping windows, so the draws are disjoint from each other and from every
-test, calibration and dev window as long as the longer draw begins with the very windows the trace and the dev
-split were cut from; that is checked (a text with fewer documents than windows cuts them differently) and a run
-whose text cannot give such draws stops with an error saying so.
+Where the draws come from: the dataset's seeded window order is dealt out to the test, dev, calibration and draw
+roles in turn (:mod:`kvbench.inputs.layout`); draw ``k >= 1`` takes windows ``(k - 1) n_calib .. k n_calib - 1`` of the
+draw role, so the draws are disjoint from each other and from every test, calibration and dev window as long as the
+longer order begins with the very windows the trace and the dev split were cut from; that is checked (a text with
+fewer documents than windows cuts them differently) and a run whose text cannot give such draws stops with an error
+saying so.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ from kvbench.core.compressor import Compressor, fits, rebuild
 from kvbench.core.items import Source, coding_contexts
 from kvbench.core.kv import KVSequence
 from kvbench.core.timing import Stopwatch
-from kvbench.inputs.capture import cache_dtype, capture_window, split_windows
-from kvbench.inputs.data import load_documents, sample_windows
+from kvbench.inputs.capture import cache_dtype, capture_window, dataset_windows, eval_windows
+from kvbench.inputs.layout import role_windows
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.metrics.paired_loss import recall_loss, task_loss
 from kvbench.measure.metrics.task_loss import continuation_nlls
@@ -57,34 +56,23 @@ def calibration_draws(ds: Any, tokenizer: Any, draws: int) -> list[torch.Tensor]
 
 def _draws(ds: Any, tokenizer: Any, draws: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The dataset's window order as far as the draws reach, and the draws' windows."""
-    n, c = int(ds.n_sequences), int(ds.n_calib)
-    used = 2 * n + c  # test, calibration, dev: the dev split draws the most
-    every = window_order(ds, tokenizer, used + (draws - 1) * c)
-    return every, [every[used + (k - 1) * c : used + k * c] for k in range(1, draws)]
+    c = int(ds.n_calib)
+    every = window_order(ds, tokenizer, (draws - 1) * c)
+    return every, [every[role_windows("draws", c, (k - 1) * c)] for k in range(1, draws)]
 
 
-def window_order(ds: Any, tokenizer: Any, n_windows: int) -> torch.Tensor:
-    """The first ``n_windows`` windows ``(n_windows, seq_len + eval_len + 1)`` of the dataset's seeded order, checked
-    to begin with the very windows the test and dev splits are cut from."""
+def window_order(ds: Any, tokenizer: Any, calib_windows: int) -> torch.Tensor:
+    """The dataset's seeded window order as far as ``calib_windows`` windows of the draw role reach, checked to begin
+    with the very windows the test and dev splits are cut from."""
     if int(ds.n_calib) < 1:
         raise ValueError("metrics.fit_draws > 1 refits on further draws of dataset.n_calib windows; n_calib is 0")
-    docs = load_documents(ds)
-    length = int(ds.seq_len) + int(ds.eval_len) + 1
-    every = sample_windows(docs, tokenizer, n_windows, length, int(ds.seed))
-    for split in ("test", "dev"):
-        total = split_windows(_with_split(ds, split))[1]
-        if not torch.equal(every[:total], sample_windows(docs, tokenizer, total, length, int(ds.seed))):
-            raise ValueError(f"metrics.fit_draws: this text ({len(docs)} documents) cuts its windows differently "
-                             f"when {n_windows} are drawn, so further calibration draws could overlap the {split} "
-                             f"split's; use a text with at least {n_windows} documents, or fewer draws or windows")
+    every = dataset_windows(ds, tokenizer, calib_windows)[0]
+    captured = dataset_windows(ds, tokenizer)[0]
+    if not torch.equal(every[: len(captured)], captured):
+        raise ValueError(f"metrics.fit_draws: this text cuts its windows differently when {len(every)} are drawn, so "
+                         f"further calibration draws could overlap the test and dev splits' windows; use a text with "
+                         f"at least {len(every)} documents, or fewer draws or windows")
     return every
-
-
-def _with_split(ds: Any, split: str) -> Any:
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(ds, resolve=True) if OmegaConf.is_config(ds) else dict(ds)
-    return OmegaConf.create({**plain, "split": split})
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -159,9 +147,8 @@ def _check_trace(cfg: Any, handle: ModelHandle, source: Source, every: torch.Ten
     """The run's evaluated windows must be the ones the dataset's window order ``every`` gives its split (else the
     draws' disjointness says nothing about them)."""
     ds = cfg.dataset
-    first, T = split_windows(ds)[0], int(ds.seq_len)
+    order, T = eval_windows(ds), int(ds.seq_len)
     for i, it in enumerate(source.items):
-        if not torch.equal(it.kv.tokens[:T].cpu(), every[first + i, :T]):
+        if not torch.equal(it.kv.tokens[:T].cpu(), every[order[i], :T]):
             raise ValueError(f"metrics.fit_draws > 1: evaluated window {i} of trace {source.fields.get('trace')} is not "
-                             f"window {first + i} of dataset {ds.name!r} as configured; run on the dataset's own trace")
-
+                             f"window {order[i]} of dataset {ds.name!r} as configured; run on the dataset's own trace")

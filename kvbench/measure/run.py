@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from kvbench.coding.bitstream import Bitstream
@@ -27,8 +26,7 @@ from kvbench.core.machine import conditions
 from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
-from kvbench.inputs.capture import cache_dtype, load_or_capture, split_windows
-from kvbench.inputs.data import load_documents
+from kvbench.inputs.capture import cache_dtype, load_or_capture
 from kvbench.inputs.models import ModelHandle
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.fit_draws import draw_spread
@@ -50,22 +48,16 @@ def trace_source(cfg: Any, handle: ModelHandle) -> Source:
     lp = torch.cat([s.logprobs for s in ev])
     fields = {"bound_bits_per_token": bound_bits_per_token(lp.tolist(), lp.numel()),
               "trace": str(trace.path), "trace_captured": trace.captured,
-              "eval_documents": window_documents(OmegaConf.create(trace.manifest["dataset"]), len(ev)).tolist()}
+              "eval_documents": window_documents(trace.manifest, len(ev))}
     return Source(items, lambda: [s.kv for s in trace.calib], fields, str(trace.path))
 
 
-def window_documents(ds: Any, n: int) -> np.ndarray:
-    """The document each of a capture's first ``n`` windows comes from, by the rule ``sample_windows`` draws them
-    with: one window per document when the dataset has at least as many documents as windows, else runs of
-    ``ceil(windows / documents)`` consecutive windows per document (exact when every document it visits holds
-    that many; a shorter one gives fewer, and the runs after it shift)."""
-    first, total = split_windows(ds)
-    try:
-        n_docs = len(load_documents(ds))
-    except (AssetError, OSError, ValueError):  # a trace whose text is not here: call every window a document
-        return np.arange(n)
-    per_doc = 1 if n_docs >= total else -(-total // max(n_docs, 1))
-    return (first + np.arange(n)) // per_doc
+def window_documents(manifest: dict, n: int) -> list[int]:
+    """The document each of a trace's first ``n`` (evaluated) windows is cut from, as its capture recorded
+    (``documents``); a trace that records none (captured from a ``trace=PATH`` of another tool) counts every window
+    as a document of its own."""
+    docs = manifest.get("documents")
+    return [int(d) for d in docs[:n]] if isinstance(docs, list) and len(docs) >= n else list(range(n))
 
 
 #: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every

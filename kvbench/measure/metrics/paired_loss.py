@@ -28,19 +28,37 @@ def task_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: A
     docs = None if documents is None else list(documents)[: len(diffs)]
     delta_ci = document_bootstrap_ci(diffs, docs, block, resamples, seed)
     nll_base_mean = float(base.mean())
+    delta = float(comp.mean() - nll_base_mean)
+    n_docs = len(set(range(len(diffs)) if docs is None else docs))
     return {
         "nll_base": nll_base_mean,
         "nll_compressed": float(comp.mean()),
-        "delta_nll": float(comp.mean() - nll_base_mean),
+        "delta_nll": delta,
         "delta_nll_ci": delta_ci,
         "nll_base_ci": document_bootstrap_ci(nll_base, docs, block, resamples, seed),
-        "eval_documents_n": len(set(range(len(diffs)) if docs is None else docs)),
+        "eval_documents_n": n_docs,
         "eval_tokens": int(base.size),
         "ci_block_tokens": block,
         "delta_nll_verdict_1pct": verdict(delta_ci, NLL_TOLERANCE * nll_base_mean),
+        **decidability(delta, delta_ci, NLL_TOLERANCE * nll_base_mean, n_docs),
         # the smallest true delta NLL these tokens detect 80% of the time at the 5% level, from this cell's spread
         "delta_nll_mde": detectable_from_ci(delta_ci),
     }
+
+
+def decidability(delta: float, ci: Sequence[float], line: float, n_documents: int) -> dict:
+    """How far an interval is from deciding its verdict against ``line``: ``delta_nll_ci_half_width_rel``, the
+    interval's half-width over the line (the 1% margin; below 1 an interval narrower than the margin), and, while the
+    verdict is unresolved, ``delta_nll_documents_needed``: the documents an interval of the observed spread would need
+    to clear the line, its half-width shrinking as one over the square root of the documents resampled (None when
+    the estimate sits on the line)."""
+    low, high = ci
+    half = (high - low) / 2
+    out: dict = {"delta_nll_ci_half_width_rel": half / line if line > 0 else math.nan}
+    if verdict(ci, line) == "unresolved" and math.isfinite(half):
+        gap = abs(delta - line)
+        out["delta_nll_documents_needed"] = math.ceil(n_documents * (half / gap) ** 2 - 1e-9) if gap > 0 else None
+    return out
 
 
 def recall_loss(nll_base: list[np.ndarray], nll_comp: list[np.ndarray], metrics: Any, documents: Sequence[int] | None,

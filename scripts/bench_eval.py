@@ -1,7 +1,7 @@
 """Seconds per RULER example of ``python -m kvbench eval`` at one length, and where they go.
 
     python scripts/bench_eval.py [--compressor kivi] [--length 1024] [--per-family 2] [--families vt fwe ...]
-                                 [--threads 2] [--protocol context_only] [--cells 2]
+                                 [--threads 2] [--protocol context_only] [--cells 2] [--prefills new|auto|none|DIR]
 
 Runs the evaluation as the CLI does (lm-eval's compressed pass, then the baseline's answers replayed through it) on
 ``per-family`` examples of each family at ``length`` tokens, and times each request's steps by wrapping the model
@@ -10,12 +10,16 @@ decode of what it stored included), and the query and answer generated on each s
 in all and per step; the rest is lm-eval's own work (building tasks, filters and metrics, the replayed pass). The
 task data is built first and not counted (it is written once per setting and then read). ``--cells 2`` runs the
 cell again in the same process, as a sweep of eval cells does: there the baseline's answers are kept from the
-first cell, so the second shows what every later cell of a sweep costs.
+first cell, so the second shows what every later cell of a sweep costs. ``--prefills`` is where the contexts' 16-bit
+prefills and the baseline's answers are kept (``paths.prefills``): ``new`` (the default) a fresh folder, so the first
+cell computes and keeps them and every later cell (``--cells 2``) loads them, as a cell of a later process would;
+``auto`` the store under ``KVBENCH_HOME``; ``none`` keeps none (every cell prefills every context).
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections import defaultdict
 from typing import Any
@@ -57,11 +61,15 @@ def main() -> None:
     p.add_argument("--protocol", default="context_only")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cells", type=int, default=1)
+    p.add_argument("--prefills", default="new", help="new (a fresh folder), auto (KVBENCH_HOME's), none, or a folder")
     args = p.parse_args()
+    fresh = tempfile.TemporaryDirectory(prefix="kvbench-prefills-") if args.prefills == "new" else None
+    prefills = fresh.name if fresh else ("null" if args.prefills == "none" else args.prefills)
     torch.set_num_threads(args.threads)
     cfg = compose([f"model={args.model}", f"+compressor={args.compressor}", *args.set, f"protocol={args.protocol}",
                    f"ruler.lengths=[{args.length}]", f"limit={args.per_family}",
-                   f"ruler.per_length={max(args.per_family, 1)}", "tasks=[" + ",".join(args.families) + "]"], "eval")
+                   f"ruler.per_length={max(args.per_family, 1)}", "tasks=[" + ",".join(args.families) + "]",
+                   f"paths.prefills={prefills}"], "eval")
     OmegaConf.set_struct(cfg, False)
     handle = ModelHandle(cfg.model, cfg.device)
 
@@ -87,6 +95,7 @@ def main() -> None:
             print(f"  {step:<34} {s / n:7.2f} s/example")
         print(f"  {'  of which encode / decode':<34} {acc['encode_s'] / n:7.2f} / {acc['decode_s'] / n:.2f} s/example")
         print(f"  {'lm-eval and the rest':<34} {(total - sum(spent.values())) / n:7.2f} s/example")
+        print(f"  contexts whose prefill was loaded from the store: {acc['stored_prefills']:.0f} of {acc['contexts']:.0f}")
         print(f"  generated tokens (compressed side) {acc['generated_tokens'] / n:.1f} per example; "
               f"accuracy base {sum(r['base'] for r in rows) / n:.2f}, compressed {sum(r['comp'] for r in rows) / n:.2f}")
 

@@ -17,7 +17,7 @@ from kvbench.sweep.presets import Preset, cells
 COMMANDS = sorted(MEASURING)  # eval, latency, restore, run
 # what every measuring command takes from configs/base.yaml
 SHARED = {"dtype": "float16", "device": "cpu", "seed": 0, "trace": None, "capture": {"pre_rope": False},
-          "paths": {"results": "results"}}
+          "paths": {"results": "results", "prefills": "auto"}}
 CACHE = {"residual": 0, "chunk": 128, "mode": "auto"}
 
 

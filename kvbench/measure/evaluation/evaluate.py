@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvbench.inputs.models import ModelHandle
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation.chance import chance_scores
 from kvbench.measure.evaluation.lm import CompressedKVLM
+from kvbench.measure.evaluation.prefill_store import PrefillStore
 from kvbench.measure.evaluation.stats import paired_scores
 from kvbench.measure.evaluation.tasks import task_specs
 from kvbench.store.results import git_sha
@@ -61,8 +63,21 @@ def build_lm(cfg: Any, compressor: Compressor, handle: ModelHandle, progress: bo
     config = handle.model.config if compressor.needs_config else None
     fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
     lm = CompressedKVLM(handle, compressor, protocol=protocol_of(cfg), residual=cfg.cache.residual,
-                        chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode), dtype=cache_dtype(cfg.dtype), progress=progress)
+                        chunk=int(cfg.cache.chunk), mode=str(cfg.cache.mode), dtype=cache_dtype(cfg.dtype), progress=progress,
+                        store=prefill_store(cfg, handle))
     return lm, fit_s
+
+
+def prefill_store(cfg: Any, handle: ModelHandle) -> PrefillStore | None:
+    """``paths.prefills``: ``auto`` keeps each example's 16-bit prefill and baseline answer under
+    ``KVBENCH_HOME/prefills``, a folder keeps them there, null keeps none (every cell prefills every context)."""
+    where = OmegaConf.select(cfg, "paths.prefills", default=None) if OmegaConf.is_config(cfg) else None
+    if where is None or str(where).lower() in ("null", "none", "false"):
+        return None
+    cfg_m = handle.cfg
+    model = tuple(str(cfg_m.get(k)) for k in ("name", "path")) if hasattr(cfg_m, "get") else (str(cfg_m),)
+    root = None if str(where) == "auto" else Path(str(where)).expanduser()
+    return PrefillStore.for_model(model, cache_dtype(cfg.dtype), str(cfg.device), root)
 
 
 @dataclass
@@ -177,6 +192,10 @@ def summarise(cfg: Any, compressor: Compressor, lm: CompressedKVLM, per_task: di
         "decode_s": acc["decode_s"],
         "fit_s": fit_s,
         "eval_s": eval_s,
+        # eval_s covers prefilling the contexts not loaded from the store (paths.prefills) and the baseline's answers
+        # not kept in this process or the store: a cell that loads them costs less per example
+        "contexts_prefilled": int(acc["contexts"] - acc["stored_prefills"]),
+        "contexts_from_store": int(acc["stored_prefills"]),
         "generated_tokens": int(acc["generated_tokens"]),
         "compressor_params": compressor.describe(),
         # as the cache runs it: a compressor's own `residual` window is handed to the cache (see kvbench.cache.compressed)

@@ -22,7 +22,9 @@ Two protocols decide where the split falls:
 
 The prefill is shared, so the baseline costs only the query and scoring passes; and the baseline's results do not
 depend on the compressor, so a process keeps them (:data:`BASELINES`) and a sweep of eval cells in one process runs
-each request's baseline once. The compressed results go back to lm-eval; the baseline's are kept for
+each request's baseline once. With a :class:`~kvbench.measure.evaluation.prefill_store.PrefillStore` (``paths.prefills``)
+the context's prefill and the baseline's results are kept across processes too: a later cell loads the context's KV
+and the baseline's answer instead of computing them. The compressed results go back to lm-eval; the baseline's are kept for
 :class:`ReplayLM`, which hands them to a second lm-eval pass over the same requests, so both sets of metrics come
 from lm-eval's own metric code on identical examples.
 """
@@ -43,6 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 from kvbench.cache.compressed import CompressedCache
 from kvbench.core.checks import check_choice
 from kvbench.core.compressor import Compressor
+from kvbench.measure.evaluation.prefill_store import PrefillStore
 
 PROTOCOLS = ("context_only", "query_aware")
 #: the baseline's result of each request, by (model, device, cache dtype, protocol, prompt tokens, request): the
@@ -100,7 +103,8 @@ class CompressedKVLM(LM):
     """Scores requests with ``compressor`` and with the 16-bit baseline, sharing each context's prefill."""
 
     def __init__(self, handle: Any, compressor: Compressor, *, protocol: str = "context_only", residual: int | None = 0,
-                 chunk: int = 128, mode: str = "auto", dtype: torch.dtype = torch.float16, progress: bool = True) -> None:
+                 chunk: int = 128, mode: str = "auto", dtype: torch.dtype = torch.float16, progress: bool = True,
+                 store: PrefillStore | None = None) -> None:
         super().__init__()
         check_choice("eval", "protocol", protocol, PROTOCOLS)
         if protocol == "context_only" and mode == "chunked":
@@ -110,6 +114,8 @@ class CompressedKVLM(LM):
         self.cache_kw = {"residual": residual, "chunk": chunk, "mode": "once" if protocol == "context_only" else mode,
                          "dtype": dtype}
         self.progress = progress
+        # a model built in this process has no name to key stored prefills by
+        self.store = store if self.model_id() is not None else None
         self.model, self.tok = handle.model, handle.tokenizer
         self._device = next(self.model.parameters()).device
         cfg = self.model.config.get_text_config(decoder=True)
@@ -160,22 +166,52 @@ class CompressedKVLM(LM):
 
     @torch.no_grad()
     def caches(self, prompt: Prompt, baseline: bool = True) -> tuple[CompressedCache, CompressedCache | None]:
-        """The context prefilled once in 16 bits, loaded into the compressed cache and (``baseline``) into the
-        baseline's."""
+        """The context prefilled once in 16 bits (or its prefill loaded from the store), loaded into the compressed
+        cache and (``baseline``) into the baseline's."""
         prefill = DynamicCache()  # full layers only: sliding-window layers keep every token, as in capture
-        if prompt.context:
+        stored = self.store.kv(prompt.context) if self.store is not None and prompt.context else None
+        if stored is not None:
+            for i, (k, v) in enumerate(stored):  # each (1, H, T, D)
+                prefill.update(k.to(self._device), v.to(self._device), i)
+            self.accounting["stored_prefills"] += 1
+        elif prompt.context:
             self.model(torch.tensor([prompt.context], device=self._device), cache=prefill, use_cache=True, logits_to_keep=1)
+            if self.store is not None:
+                self.store.put_kv(prompt.context, [(layer.keys, layer.values) for layer in prefill.layers])
         comp = self._load(self.compressor, prefill, prompt.context)
         return comp, self._load(None, prefill, prompt.context) if baseline else None
 
-    def memo_key(self, kind: str, prompt: Prompt, *request: Any) -> tuple | None:
-        """Where :data:`BASELINES` keeps a request's baseline result; None for a model built in this process."""
+    def model_id(self) -> tuple | None:
+        """The model's name and path as the run's config gives them; None for a model built in this process."""
         if (getattr(self.handle, "_meta", None) or {}).get("built_in_process"):
             return None
         cfg = self.handle.cfg
-        model = tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+        return tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+
+    def memo_key(self, kind: str, prompt: Prompt, *request: Any) -> tuple | None:
+        """Where :data:`BASELINES` (and the store) keep a request's baseline result; None for a model built in this
+        process."""
+        model = self.model_id()
+        if model is None:
+            return None
         return (model, str(self._device), str(self.cache_kw["dtype"]), self.protocol, kind, tuple(prompt.context),
                 tuple(prompt.query), *request)
+
+    def known(self, key: tuple | None) -> bool:
+        """Whether the baseline's result of ``key`` is kept, in this process or in the store."""
+        if key is None:
+            return False
+        if key not in BASELINES and self.store is not None:
+            found, got = self.store.answer(key)
+            if found:
+                BASELINES[key] = got
+        return key in BASELINES
+
+    def keep(self, key: tuple | None, result: Any) -> None:
+        if key is not None:
+            if key not in BASELINES and self.store is not None:
+                self.store.put_answer(key, result)
+            BASELINES[key] = result
 
     def _load(self, compressor: Compressor | None, prefill: DynamicCache, ids: list[int]) -> CompressedCache:
         cache = self.cache(compressor)
@@ -249,13 +285,12 @@ class CompressedKVLM(LM):
         for (ctx, query), items in (_bar(groups.items(), desc="loglikelihood") if self.progress else groups.items()):
             p = Prompt(list(ctx), list(query))
             keys = [self.memo_key("ll", p, tuple(cont)) for _, _, cont in items]
-            comp, base = self.caches(p, baseline=not all(k in BASELINES for k in keys))
+            comp, base = self.caches(p, baseline=not all(self.known(k) for k in keys))
             for (i, args, cont), key in zip(items, keys):
                 out[i] = self.score(comp, p.query, cont)
-                got = BASELINES[key] if key in BASELINES else self.score(base, p.query, cont)
+                got = BASELINES[key] if self.known(key) else self.score(base, p.query, cont)
                 self.baseline[("ll", *args)] = got
-                if key is not None:
-                    BASELINES[key] = got
+                self.keep(key, got)
         return out
 
     def loglikelihood_rolling(self, requests) -> list[float]:
@@ -273,12 +308,11 @@ class CompressedKVLM(LM):
             p = self.prompt(context, getattr(req, "doc", None), room=max_new)
             self._note(req, p)
             key = self.memo_key("gen", p, max_new, tuple(until))
-            comp, base = self.caches(p, baseline=key not in BASELINES)
+            comp, base = self.caches(p, baseline=not self.known(key))
             out.append(self.generate(comp, p, max_new, until, "compressed"))
-            got = BASELINES[key] if key in BASELINES else self.generate(base, p, max_new, until, "baseline")
+            got = BASELINES[key] if self.known(key) else self.generate(base, p, max_new, until, "baseline")
             self.baseline[_gen_key(context, req.args[1])] = got
-            if key is not None:
-                BASELINES[key] = got
+            self.keep(key, got)
         return out
 
     def replay(self) -> ReplayLM:

@@ -97,6 +97,11 @@ def test_an_unresolved_verdict_says_how_many_documents_its_spread_would_need():
     assert got == {"delta_nll_ci_half_width_rel": pytest.approx(2 / 3), "delta_nll_documents_needed": 64}
     assert "delta_nll_documents_needed" not in decidability(0.01, [0.0, 0.02], 0.03, 4)  # decided: within
     assert decidability(0.03, [0.01, 0.05], 0.03, 4)["delta_nll_documents_needed"] is None  # on the line
+    from kvbench.measure.run import _delta_text
+
+    printed = _delta_text({"delta_nll": 0.025, "delta_nll_ci": [0.005, 0.045], "delta_nll_verdict_1pct": "unresolved",
+                           "eval_documents_n": 4, **got})
+    assert printed.endswith("(unresolved 1% of base; 4 documents; about 64 would decide)")
 
 
 def test_documents_are_a_level_of_the_resampling():

@@ -307,4 +307,9 @@ def _recall_text(s: dict) -> str:
 
 def _delta_text(s: dict) -> str:
     lo, hi = s.get("delta_nll_ci", [math.nan, math.nan])
-    return f"{s['delta_nll']:+.4f} nats, 95% CI [{lo:+.4f}, {hi:+.4f}]  ({s.get('delta_nll_verdict_1pct', '?')} 1% of base)"
+    n = s.get("eval_documents_n")
+    docs = f"; {n} document{'s' if n != 1 else ''}" if n is not None else ""
+    need = s.get("delta_nll_documents_needed", "absent")
+    more = "" if need == "absent" else ("; on the line" if need is None else f"; about {need} would decide")
+    return (f"{s['delta_nll']:+.4f} nats, 95% CI [{lo:+.4f}, {hi:+.4f}]  ({s.get('delta_nll_verdict_1pct', '?')} "
+            f"1% of base{docs}{more})")

@@ -46,7 +46,7 @@ RESTORE_COLUMNS = pick("model", "compressor", "params", "context", "bytes_ratio"
                        "crossover_prefill_gbps", "crossover_prefill_spread", "first_token_matches_prefill",
                        formats={"crossover_16bit_gbps": ".2f", "crossover_prefill_gbps": ".4f"})
 DISTANCE_COLUMNS = pick("model", "which", "compressor", "windows_text", "bits_per_token", "bound_bits_per_token",
-                        "x_bound_text", "delta_nll_ci_text", "nll_verdict", formats={"bits_per_token": ",.1f"})
+                        "x_bound_text", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", formats={"bits_per_token": ",.1f"})
 PAPER_ARITHMETIC_COLUMNS = pick("model", "elements_per_token", "bound_bits_per_token", "paper_x_bound_text",
                                 formats={"elements_per_token": ",.0f"})
 RULER_POOLED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "bits_per_element", "n", "acc_base", "acc_comp", "diff",

@@ -51,6 +51,8 @@ CATALOGUE = {c.key: c for c in (
     _col("delta_nll", "dNLL (nats)", "+.4f", r"$\Delta$NLL (nats)"),
     _col("delta_nll_ci_text", "dNLL 95% CI", "s", r"$\Delta$NLL 95\% CI"),
     _col("nll_verdict", "within 1%?"),
+    # the documents the verdict rests on: its interval resamples them (kvbench.measure.metrics.intervals)
+    _col("eval_documents_n", "docs", "d"),
     _col("windows", "windows"),
     _col("nll_base", "NLL base", ".3f"),
     _col("rel_mse_k", "rel MSE K", ".2e"),
@@ -221,7 +223,7 @@ def pick(*keys: str, formats: dict[str, str] | None = None) -> list[Column]:
 # the best-points table gives two decimals near the bound.
 COLUMNS = pick("model", "dataset", "compressor", "params", "workload", "sharing.share_rate", "context_len",
                "bits_per_element", "bits_per_token", "bound_bits_per_token", "x_bound", "compression_ratio",
-               "delta_nll", "delta_nll_ci_text", "nll_verdict", "rel_mse_k", "rel_mse_v", "encode_MBps",
+               "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rel_mse_k", "rel_mse_v", "encode_MBps",
                "decode_MBps", "lossless", formats={"x_bound": ",.0f"})
 # The best point of each curve within 1% NLL, decided on the interval, per set of evaluated windows.
 BEST_COLUMNS = pick("model", "dataset", "windows", "compressor", "params", "context_len", "bits_per_element",

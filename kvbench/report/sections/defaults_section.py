@@ -16,7 +16,7 @@ from kvbench.report.tables import pick
 
 DEFAULTS_COLUMNS = pick("model", "compressor", "params", "context_len", "exact_tokens", "stream_bits_per_element",
                         "bits_per_element", "bits_per_element_amortized", "bits_per_token", "x_bound",
-                        "compression_ratio", "delta_nll_ci_text", "nll_verdict", "encode_MBps", "decode_MBps",
+                        "compression_ratio", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "encode_MBps", "decode_MBps",
                         formats={"encode_MBps": "x", "decode_MBps": "x", "compression_ratio": "x"})
 NOTE = ("x bound: bits/token over the measured H(token | history) of the same windows; ratio: against the 16-bit "
         "cache, codec bits charged; enc / dec MB/s: of 16-bit KV, from the run itself (timed cells under the "

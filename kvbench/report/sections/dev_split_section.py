@@ -11,7 +11,7 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
-                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "chosen", "default")
+                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "chosen", "default")
 #: a candidate competes only if its stream rate is within this factor of the lowest of its coder and budget
 RATE_SLACK = 1.05
 DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "

@@ -14,10 +14,10 @@ from kvbench.report.tables import pick
 
 EVICTION_COLUMNS = pick("model", "compressor", "compressor_params.keep", "always_kept", "kept_coding",
                         "stream_bits_per_element", "positions_bits_per_element", "bits_per_element", "delta_nll",
-                        "delta_nll_ci_text", "nll_verdict", "vs_random", "rel_mse_k", "rel_mse_v")
+                        "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "vs_random", "rel_mse_k", "rel_mse_v")
 MATCHED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "kept_coding",
                        "exact_tokens", "stream_bits_per_element", "bits_per_element", "delta_nll", "delta_nll_ci_text",
-                       "nll_verdict")
+                       "nll_verdict", "eval_documents_n")
 EVICTION_NOTE = ("keep: fraction of tokens every layer and KV head keeps; always kept: tokens kept before any is "
                  "scored; stream bits/elt counts the kept KV and the coded kept positions over every K and V element "
                  "of the full cache; vs random: against random_eviction at the same keep, decided on the two "

@@ -14,12 +14,12 @@ from kvbench.report.tables import pick
 
 FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                         "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio",
-                        "delta_nll", "delta_nll_ci_text", "nll_verdict", "rel_mse_k", "rel_mse_v",
+                        "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rel_mse_k", "rel_mse_v",
                         "rd_bits_per_element", "rd_bits_per_element_pre_rope")
 FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",
-                             "delta_nll_ci_text", "nll_verdict", "rank_stream", "rank_charged", "rank_amortized")
+                             "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rank_stream", "rank_charged", "rank_amortized")
 #: the three rates a point can be ranked by: rank column -> rate column
 RANKS = {"rank_stream": "stream_bits_per_element", "rank_charged": "bits_per_element",
          "rank_amortized": "bits_per_element_amortized"}

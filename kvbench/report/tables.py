@@ -53,6 +53,12 @@ CATALOGUE = {c.key: c for c in (
     _col("nll_verdict", "within 1%?"),
     # the documents the verdict rests on: its interval resamples them (kvbench.measure.metrics.intervals)
     _col("eval_documents_n", "docs", "d"),
+    _col("nll_recall_base", "recall NLL base", ".3f"),
+    _col("delta_nll_recall", "recall dNLL", "+.3f", r"recall $\Delta$NLL"),
+    _col("delta_nll_recall_ci_text", "recall 95% CI", "s"),
+    _col("recall_vs_ref", "minus FP8's", "+.3f"),
+    _col("recall_vs_ref_ci_text", "minus FP8's 95% CI", "s"),
+    _col("recall_vs_ref_verdict", "no worse than FP8?"),
     _col("windows", "windows"),
     _col("nll_base", "NLL base", ".3f"),
     _col("rel_mse_k", "rel MSE K", ".2e"),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pandas as pd
 
 from kvbench.report import study_figures
-from kvbench.report.collect import Collection, fact, numeric
+from kvbench.report.collect import Collection, fact, interval_text, numeric
 from kvbench.report.sections.per_model import by_model, model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -20,6 +21,16 @@ FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "e
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",
                              "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rank_stream", "rank_charged", "rank_amortized")
+RECALL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+                      "nll_verdict", "nll_recall_base", "delta_nll_recall", "delta_nll_recall_ci_text", "recall_vs_ref",
+                      "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n")
+#: the reference cache of the recall axis: a format serving stacks accept, at 8 bits per element
+REFERENCE = "fp8"
+RECALL_NOTE = ("recall dNLL: the long-range probe (a copy of an early passage, scored where the copy repeats it; "
+               "`kvbench/measure/run.py`) with the compressed cache minus the 16-bit cache's, paired 95% interval over "
+               "documents then blocks; minus FP8's: the same copy spans' compressed NLL minus the FP8 cache's on the same "
+               "windows (`kvbench/measure/metrics/reference_diff.py`), no worse when its whole interval is at or below "
+               "+0.01 nats.")
 #: the three rates a point can be ranked by: rank column -> rate column
 RANKS = {"rank_stream": "stream_bits_per_element", "rank_charged": "bits_per_element",
          "rank_amortized": "bits_per_element_amortized"}
@@ -84,6 +95,47 @@ def rank_note(ranked: pd.DataFrame) -> str:
     return f"The ranking by stream bits differs from the ranking by the other rates on {', '.join(differ)}."
 
 
+def recall_vs_reference(d: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
+    """``d`` with each row's recall-probe NLL minus the ``reference`` cache's on the same windows (``recall_vs_ref``,
+    its interval and verdict), where both runs kept the probe's per-token NLLs; blank elsewhere."""
+    import json
+    import math
+
+    from omegaconf import OmegaConf
+
+    from kvbench.measure.metrics.reference_diff import paired_difference
+
+    d = d.copy()
+    d["delta_nll_recall_ci_text"] = [interval_text(*_pair(v), "+.3f") for v in d.get("delta_nll_recall_ci", [None] * len(d))]
+    diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
+    refs = d[d["compressor"].astype(str) == reference] if "compressor" in d else d.iloc[0:0]
+    for i, (_, row) in enumerate(d.iterrows()):
+        same = refs[(refs["model"] == row.get("model")) & (refs["windows"] == row.get("windows"))]
+        if same.empty or "run_dir" not in row:
+            continue
+        metrics = OmegaConf.create({k: row.get(f"cfg.metrics.{k}") for k in ("ci_block", "ci_resamples", "ci_seed")})
+        docs = row.get("eval_documents")
+        docs = json.loads(docs) if isinstance(docs, str) else docs
+        try:
+            got = paired_difference(Path(row["run_dir"]), Path(same.iloc[0]["run_dir"]), metrics,
+                                    None if docs is None or (isinstance(docs, float) and math.isnan(docs)) else list(docs))
+        except ValueError:  # a run that kept no probe arrays, or another window set: no paired figure
+            continue
+        diff[i], text[i], verdict[i] = got["diff"], interval_text(*got["ci"], "+.3f"), got["verdict"]
+    return d.assign(recall_vs_ref=diff, recall_vs_ref_ci_text=text, recall_vs_ref_verdict=verdict)
+
+
+def _pair(v) -> tuple[float, float]:
+    import json
+    import math
+
+    try:
+        lo, hi = json.loads(v) if isinstance(v, str) else v
+        return float(lo), float(hi)
+    except (TypeError, ValueError):
+        return math.nan, math.nan
+
+
 def frontier(got: Collection) -> tuple[list[Table], Figures]:
     d = got.table
     d = d.assign(series=frontier_label(d), exact_tokens=exact_tokens(d))
@@ -96,6 +148,9 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
                     "fewest stream bits per element within 1% NLL, per coder and model",
                     f"Ranked by each rate within its model (1: fewest bits). {rank_note(best)}",
                     empty="_no cell is within 1% on its interval_\n")]
+    if "delta_nll_recall" in d and numeric(d, "delta_nll_recall").notna().any():
+        tables.append(Table("frontier", recall_vs_reference(d), RECALL_COLUMNS,
+                            "the long-range recall probe, every cell", RECALL_NOTE))
     figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")
                for model, g in by_model(d)}
     return tables, figures

@@ -83,6 +83,8 @@ def test_run_summary_has_the_interval_around_delta_nll(tiny_cfg, tiny_handle):
     assert s["eval_documents"] == [0, 0] and s["eval_documents_n"] == 1  # both windows come from the one text file
     line = 0.01 * s["nll_base"]
     assert s["delta_nll_ci_half_width_rel"] == pytest.approx((high - low) / 2 / line)
+    # a model built in the process keeps no baseline between cells: every window's and every probe's is scored
+    assert s["nll_base_spans_scored"] == 2 + len(s["_nll_per_token"][2][0]) and s["measure_s"] > 0
     exact = tiny_cfg("+compressor=identity", "dataset.eval_len=48")
     e, _ = measure(exact, make_compressor(exact.compressor), tiny_handle)
     assert e["delta_nll"] == 0.0 and e["delta_nll_ci"] == [0.0, 0.0] and e["delta_nll_verdict_1pct"] == "within"

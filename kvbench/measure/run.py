@@ -63,6 +63,8 @@ def window_documents(manifest: dict, n: int) -> list[int]:
 #: per-token NLLs with the uncompressed cache, by (trace, model, device, window, scored span): the same for every
 #: cell on a trace, so a sweep in one process scores each window's baseline once
 _BASE_NLLS: dict[tuple, np.ndarray] = {}
+#: how many baseline spans this process has scored (rather than found in _BASE_NLLS)
+_BASE_SCORED = [0]
 
 
 def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item, cont: torch.Tensor | None = None,
@@ -70,7 +72,10 @@ def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item, cont: t
     """The baseline's per-token NLLs of ``cont`` (default: the held-out continuation) after dataset window ``i`` of
     ``trace``, computed once per process (a model built in the process, or no trace, is scored every time)."""
     cont = it.continuation if cont is None else cont
-    score = lambda: continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), cont)  # noqa: E731
+
+    def score() -> np.ndarray:
+        _BASE_SCORED[0] += 1
+        return continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), cont)
     if trace is None or (getattr(handle, "_meta", None) or {}).get("built_in_process"):
         return score()
     model = tuple(str(handle.cfg.get(k)) for k in ("name", "path")) if hasattr(handle.cfg, "get") else (str(handle.cfg),)
@@ -133,6 +138,7 @@ def code(codec: Codec, kvs: Sequence[KVSequence], enc_ctxs: Sequence[Context], d
 def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None) -> tuple[dict, list[dict]]:
     """Run one cell and return ``(summary, rows)``. ``cfg`` is the resolved run config (DictConfig or alike)."""
     measuring = conditions()  # the load before this run adds its own
+    started, scored_before = time.perf_counter(), _BASE_SCORED[0]
     handle = handle or ModelHandle(cfg.model, cfg.device)
     if workload_selected(cfg.get("workload")):
         from kvbench.measure.sessions import workload_source
@@ -224,6 +230,10 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
         **recall_loss(recall_base, recall_comp, cfg.metrics, source.fields.get("eval_documents"), recall_of),
         "nll_compressed_reused": reused,
+        # the cell's wall time from loading the model to its figures, a trace captured (trace_captured) and baseline
+        # spans scored by this cell (nll_base_spans_scored; 0: an earlier cell of the process scored them) included
+        "measure_s": time.perf_counter() - started,
+        "nll_base_spans_scored": _BASE_SCORED[0] - scored_before,
         **source.fields,
         "dtype": cfg.dtype,
         "device": cfg.device,

@@ -196,9 +196,11 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values(sort, kind="stable", na_position="last").reset_index(drop=True)
 
 
-def _ci(text) -> tuple[float, float]:
+def interval_of(value) -> tuple[float, float]:
+    """An interval as a summary stores it (a ``[low, high]`` list, or its JSON text in a table) as two floats;
+    NaNs when it is missing or unreadable."""
     try:
-        low, high = json.loads(text) if isinstance(text, str) else (math.nan, math.nan)
+        low, high = json.loads(value) if isinstance(value, str) else value
         return float(low), float(high)
     except (TypeError, ValueError):
         return math.nan, math.nan
@@ -250,7 +252,7 @@ def _quality(df: pd.DataFrame) -> None:
     """The delta-NLL interval as numbers and as text, its verdict against 1% of the base NLL (summaries without an
     interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows
     are compared with each other)."""
-    ci = [_ci(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
+    ci = [interval_of(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
     df["delta_nll_low"] = [lo for lo, _ in ci]
     df["delta_nll_high"] = [hi for _, hi in ci]
     df["delta_nll_ci_text"] = [interval_text(lo, hi, "+.4f") for lo, hi in ci]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report import study_figures
-from kvbench.report.collect import Collection, fact, interval_text, numeric
+from kvbench.report.collect import Collection, fact, interval_of, interval_text, numeric
 from kvbench.report.sections.per_model import by_model, model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -106,7 +106,7 @@ def recall_vs_reference(d: pd.DataFrame, reference: str = REFERENCE) -> pd.DataF
     from kvbench.measure.metrics.reference_diff import paired_difference
 
     d = d.copy()
-    d["delta_nll_recall_ci_text"] = [interval_text(*_pair(v), "+.3f") for v in d.get("delta_nll_recall_ci", [None] * len(d))]
+    d["delta_nll_recall_ci_text"] = [interval_text(*interval_of(v), "+.3f") for v in d.get("delta_nll_recall_ci", [None] * len(d))]
     diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
     refs = d[d["compressor"].astype(str) == reference] if "compressor" in d else d.iloc[0:0]
     for i, (_, row) in enumerate(d.iterrows()):
@@ -123,17 +123,6 @@ def recall_vs_reference(d: pd.DataFrame, reference: str = REFERENCE) -> pd.DataF
             continue
         diff[i], text[i], verdict[i] = got["diff"], interval_text(*got["ci"], "+.3f"), got["verdict"]
     return d.assign(recall_vs_ref=diff, recall_vs_ref_ci_text=text, recall_vs_ref_verdict=verdict)
-
-
-def _pair(v) -> tuple[float, float]:
-    import json
-    import math
-
-    try:
-        lo, hi = json.loads(v) if isinstance(v, str) else v
-        return float(lo), float(hi)
-    except (TypeError, ValueError):
-        return math.nan, math.nan
 
 
 def frontier(got: Collection) -> tuple[list[Table], Figures]:

@@ -346,7 +346,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert not res["without_runs"] and not res["empty"], res["empty"]
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
                "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
-               "eviction_smollm2_135m", "ruler_smollm2_135m", "latency_vs_memory"}
+               "eviction_smollm2_135m", "ruler_smollm2_135m", "ruler_pooled_smollm2_135m", "latency_vs_memory"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name

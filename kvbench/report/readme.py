@@ -256,6 +256,7 @@ def compose(got: Collection, prov: Provenance, kept: dict[str, str], figs: Figur
         "examples, pooled over the task families clear of chance (per task: "
         f"`{os.path.relpath(report, out.parent)}/ruler.md`):\n",
         to_markdown(ruler_pooled(ruler), RULER_POOLED_COLUMNS),
+        *_figures(figs, out, "ruler_pooled", models, "RULER pooled accuracy against bits per element"),
         _table(ruler, "16-bit baseline per task"),
         *_figures(figs, out, "ruler", models, "RULER accuracy change against bits per element"),
         findings("ruler"),

@@ -263,3 +263,34 @@ def accuracy_vs_bits(d: pd.DataFrame):
         pl.legend(fig, [ax for ax in fig.axes if ax.get_visible()])
         fig.suptitle(f"RULER accuracy vs bits, {_title(d)} (dashed: 16-bit)")
     return fig, ""
+
+
+def pooled_accuracy_vs_bits(cells: pd.DataFrame):
+    """RULER accuracy pooled over the families clear of chance against bits per element held, one line per coder
+    family (its cells at several budgets joined), each point with the 95% interval of its paired change around it;
+    eviction methods are points at their byte cost. The 16-bit baseline as a dashed line."""
+    d = pl.finite(cells, "acc_comp", "bits_per_element")
+    if d.empty:
+        return None, "no pooled RULER rows with bits per element"
+    family = d["compressor"].astype(str).str.split(" ").str[0]
+    styles = series_styles(family)
+    with rc_context(STYLE):
+        fig = Figure(figsize=(5.0, 3.4))
+        ax = fig.add_subplot()
+        for name, g in d.assign(family=family).groupby("family", sort=False):
+            g = g.sort_values("bits_per_element")
+            x, y = g["bits_per_element"].astype(float), g["acc_comp"].astype(float)
+            # the interval of the change, placed around the compressed accuracy (the baseline is the same examples')
+            low = (g["acc_comp"] - (g["diff"] - g["ci95_low"])).astype(float)
+            high = (g["acc_comp"] + (g["ci95_high"] - g["diff"])).astype(float)
+            yerr = [np.clip(y - low, 0, None), np.clip(high - y, 0, None)]  # an interval must hold its point to be drawn
+            ax.errorbar(x, y, yerr=yerr, fmt="o-", capsize=2, label=name, color=styles[name]["color"])
+        for base in d["acc_base"].astype(float).unique():
+            ax.axhline(base, color="grey", linestyle="--", linewidth=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("bits / element held")
+        ax.set_ylabel("pooled accuracy (95% CI of the change)")
+        ax.legend(fontsize=7)
+        fig.suptitle(f"RULER pooled accuracy vs bits, {_title(d)} (dashed: 16-bit)", fontsize=9)
+    return fig, ""

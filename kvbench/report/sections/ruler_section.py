@@ -26,12 +26,15 @@ RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 
               "partial credit; detectable: the true change a two-sided test at the 5% level detects 80% of the time "
               "with this many examples and the observed variance.")
 RULER_CELL_COLUMNS = pick("model", "compressor", "bits_per_element", "protocol", "n_examples", "eval_s",
-                          "eval_s_per_example", "load_average_1min", formats={"bits_per_element": ".2f"})
+                          "eval_s_per_example", "contexts_from_store", "load_average_1min",
+                          formats={"bits_per_element": ".2f"})
 RULER_CELL_NOTE = ("Each cell as it ran: its protocol (context_only: the context compressed, the question prefilled on "
                    "top uncompressed, as kvpress does; query_aware: the prompt but its last token compressed), its "
-                   "examples over every family and length, and its wall time (the compressed pass, with the baseline's "
-                   "where the process had not already run the same examples: the first cell of a process pays for "
-                   "the baseline, later ones reuse it); load: the machine's one-minute load average when the cell started.")
+                   "examples over every family and length, and its wall time (the compressed pass, with the context's 16-bit "
+                   "prefill and the baseline's answer where neither the process nor the store (paths.prefills) had "
+                   "them: the first cell over a set of examples pays for both, later ones load them; from store: the "
+                   "contexts whose prefill was loaded); load: the machine's one-minute load average when the cell "
+                   "started.")
 POOLED = "pooled (clear of chance)"
 
 
@@ -87,4 +90,5 @@ def ruler_study(got: Collection) -> tuple[list[Table], Figures]:
               Table("ruler", d, RULER_COLUMNS, "accuracy with the compressed cache, per task and pooled", RULER_NOTE, csv=True),
               Table("ruler", cells, RULER_CELL_COLUMNS, "the cells", RULER_CELL_NOTE)]
     figures = {f"ruler_{model}": study_figures.accuracy_vs_bits(g) for model, g in by_model(tasks)}
+    figures |= {f"ruler_pooled_{model}": study_figures.pooled_accuracy_vs_bits(g) for model, g in by_model(cells)}
     return tables, figures

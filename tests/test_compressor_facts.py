@@ -25,7 +25,7 @@ def test_kept_text():
 
 def test_coders_state_the_tokens_they_store_exactly():
     assert KIVI(residual=128).facts(1024) == {"family": "quantizer", "label": "kivi", "exact_tokens": "128 recent",
-                                              "always_kept": None}
+                                              "always_kept": None, "quality_reference": False}
     assert Kvtc(sinks=4, window=128).facts(1024)["exact_tokens"] == "4 sinks + 128 recent"
     assert Kvtc(window=0).label() == "kvtc (no window)" and Kvtc().label() == "kvtc"
     assert AquaKV(sinks=4).exact_tokens(1024) == Kept(sinks=4)
@@ -49,6 +49,7 @@ def test_only_a_compressor_with_a_streaming_window_hands_it_to_the_cache():
     assert KIVI(residual=0).without_recent_window().residual == 0
     fp8 = FP8(window=16)  # its window is part of each stored segment, not the cache's
     assert fp8.recent_window() == 0 and fp8.without_recent_window() is fp8
+    assert fp8.facts(64)["quality_reference"] is True  # the recall axis's yardstick, read by the report
 
 
 def test_the_readme_example_keeps_its_window_exact_and_counts_it(random_kv):

@@ -66,6 +66,9 @@ class Compressor(abc.ABC):
     #: there; 0 where that configuration is exact. The contract suite asserts it, so a decoder that returns zeros
     #: (relative MSE 1) fails. None: not declared, which the structure tests refuse for a registered compressor
     max_rel_mse: ClassVar[float | None] = None
+    #: True for the cache format the quality axes compare every coder with (the FP8 cache serving stacks accept): the
+    #: frontier's recall axis reports each cell's loss minus this one's on the same windows
+    quality_reference: ClassVar[bool] = False
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is
@@ -104,7 +107,7 @@ class Compressor(abc.ABC):
         file it under ``compressor_facts``, so that the report reads it instead of knowing compressors."""
         kept = self.always_kept(n_tokens)
         return {"family": self.family, "label": self.label(), "exact_tokens": self.exact_tokens(n_tokens).text(),
-                "always_kept": None if kept is None else kept.text()}
+                "always_kept": None if kept is None else kept.text(), "quality_reference": self.quality_reference}
 
     def next_token_model(self, model: Any) -> NextTokenModel | None:
         """For a coder whose encoder and decoder run ``model`` one token at a time (it codes ids under the model's

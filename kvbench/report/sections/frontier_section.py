@@ -24,8 +24,6 @@ FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "e
 RECALL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                       "nll_verdict", "nll_recall_base", "delta_nll_recall", "delta_nll_recall_ci_text", "recall_vs_ref",
                       "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n")
-#: the reference cache of the recall axis: a format serving stacks accept, at 8 bits per element
-REFERENCE = "fp8"
 RECALL_NOTE = ("recall dNLL: the long-range probe (a copy of an early passage, scored where the copy repeats it; "
                "`kvbench/measure/run.py`) with the compressed cache minus the 16-bit cache's, paired 95% interval over "
                "documents then blocks; minus FP8's: the same copy spans' compressed NLL minus the FP8 cache's on the same "
@@ -95,9 +93,10 @@ def rank_note(ranked: pd.DataFrame) -> str:
     return f"The ranking by stream bits differs from the ranking by the other rates on {', '.join(differ)}."
 
 
-def recall_vs_reference(d: pd.DataFrame, reference: str = REFERENCE) -> pd.DataFrame:
-    """``d`` with each row's recall-probe NLL minus the ``reference`` cache's on the same windows (``recall_vs_ref``,
-    its interval and verdict), where both runs kept the probe's per-token NLLs; blank elsewhere."""
+def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
+    """``d`` with each row's recall-probe NLL minus the reference cache's on the same windows (``recall_vs_ref``, its
+    interval and verdict), where both runs kept the probe's per-token NLLs; blank elsewhere. The reference is the run
+    whose compressor says it is one (its ``quality_reference`` fact: the FP8 cache)."""
     import json
     import math
 
@@ -108,7 +107,7 @@ def recall_vs_reference(d: pd.DataFrame, reference: str = REFERENCE) -> pd.DataF
     d = d.copy()
     d["delta_nll_recall_ci_text"] = [interval_text(*interval_of(v), "+.3f") for v in d.get("delta_nll_recall_ci", [None] * len(d))]
     diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
-    refs = d[d["compressor"].astype(str) == reference] if "compressor" in d else d.iloc[0:0]
+    refs = d[fact(d, "quality_reference").map(lambda v: v is True or v == "True").astype(bool)]
     for i, (_, row) in enumerate(d.iterrows()):
         same = refs[(refs["model"] == row.get("model")) & (refs["windows"] == row.get("windows"))]
         if same.empty or "run_dir" not in row:

@@ -58,6 +58,15 @@ def describe(model: Any, name: str, source: str, meta: dict | None = None) -> Mo
     return ModelInfo(name, source, c.num_hidden_layers, c.num_attention_heads, n_kv, head_dim, c.vocab_size, types, meta or {})
 
 
+def model_identity(handle: Any) -> tuple | None:
+    """The model's name and path as the run's config gives them: what per-process and stored baselines are keyed by;
+    None for a model built in this process (its weights have no name)."""
+    if (getattr(handle, "_meta", None) or {}).get("built_in_process"):
+        return None
+    cfg = handle.cfg
+    return tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+
+
 class ModelHandle:
     """Loads the model and tokenizer on first use, so that runs on a stored trace need not load them at all."""
 

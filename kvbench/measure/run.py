@@ -27,7 +27,7 @@ from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, load_or_capture
-from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.models import ModelHandle, model_identity
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.fit_draws import draw_spread
 from kvbench.measure.metrics.distortion import DistortionAccumulator
@@ -76,9 +76,9 @@ def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item, cont: t
     def score() -> np.ndarray:
         _BASE_SCORED[0] += 1
         return continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), cont)
-    if trace is None or (getattr(handle, "_meta", None) or {}).get("built_in_process"):
+    model = model_identity(handle)
+    if trace is None or model is None:
         return score()
-    model = tuple(str(handle.cfg.get(k)) for k in ("name", "path")) if hasattr(handle.cfg, "get") else (str(handle.cfg),)
     key = (trace, model, str(handle.device), i, it.score_from, int(cont.numel()), probe)
     if key not in _BASE_NLLS:
         _BASE_NLLS[key] = score()

@@ -23,7 +23,7 @@ from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
 from kvbench.core.machine import conditions
 from kvbench.inputs.capture import cache_dtype, calib_windows
-from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.models import ModelHandle, model_identity
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation.chance import chance_scores
 from kvbench.measure.evaluation.lm import CompressedKVLM
@@ -74,8 +74,9 @@ def prefill_store(cfg: Any, handle: ModelHandle) -> PrefillStore | None:
     where = OmegaConf.select(cfg, "paths.prefills", default=None) if OmegaConf.is_config(cfg) else None
     if where is None or str(where).lower() in ("null", "none", "false"):
         return None
-    cfg_m = handle.cfg
-    model = tuple(str(cfg_m.get(k)) for k in ("name", "path")) if hasattr(cfg_m, "get") else (str(cfg_m),)
+    model = model_identity(handle)
+    if model is None:  # a model built in this process: nothing to key its prefills by
+        return None
     root = None if str(where) == "auto" else Path(str(where)).expanduser()
     return PrefillStore.for_model(model, cache_dtype(cfg.dtype), str(cfg.device), root)
 

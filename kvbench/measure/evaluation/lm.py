@@ -45,6 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 from kvbench.cache.compressed import CompressedCache
 from kvbench.core.checks import check_choice
 from kvbench.core.compressor import Compressor
+from kvbench.inputs.models import model_identity
 from kvbench.measure.evaluation.prefill_store import PrefillStore
 
 PROTOCOLS = ("context_only", "query_aware")
@@ -183,10 +184,7 @@ class CompressedKVLM(LM):
 
     def model_id(self) -> tuple | None:
         """The model's name and path as the run's config gives them; None for a model built in this process."""
-        if (getattr(self.handle, "_meta", None) or {}).get("built_in_process"):
-            return None
-        cfg = self.handle.cfg
-        return tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+        return model_identity(self.handle)
 
     def memo_key(self, kind: str, prompt: Prompt, *request: Any) -> tuple | None:
         """Where :data:`BASELINES` (and the store) keep a request's baseline result; None for a model built in this

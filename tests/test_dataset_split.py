@@ -72,7 +72,7 @@ def test_every_cell_of_the_selection_study_scores_the_dev_split_alone():
     from kvbench.sweep.presets import cells
 
     todo = cells(section("dev_split").presets, ["model=gemma3_270m"])
-    assert len(todo) == 20 + 18 and all(c.cfg.dataset.split == "dev" for c in todo)
+    assert len(todo) == 16 + 24 + 8 + 6 and all(c.cfg.dataset.split == "dev" for c in todo)
 
 
 def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget_at_matched_rate():
@@ -82,12 +82,29 @@ def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget_at_matched
 
     d = pd.DataFrame({"model": ["m"] * 5, "compressor": ["c"] * 5, "compressor_params.bits": [1, 1, 2, 2, 2],
                       "cfg.dataset.split": ["dev", "dev", "dev", "dev", "test"],
-                      "delta_nll": [0.2, 0.1, 0.05, 0.07, 0.0]})
+                      "delta_nll": [0.2, 0.1, 0.05, 0.07, 0.0], "nll_base": [1.0] * 5})
     got = dev_choice(d)
     assert len(got) == 4 and got["chosen"].tolist() == ["", "yes", "yes", ""]  # the test run is never a candidate
     # a candidate more than 5% above its group's lowest stream rate does not win by spending those bits
     d["stream_bits_per_element"] = [1.0, 1.2, 2.2, 2.09, 2.0]
     assert dev_choice(d)["chosen"].tolist() == ["yes", "", "", "yes"]
+
+
+def test_the_dev_objective_weighs_the_recall_probes_relative_loss_beside_next_token_nll():
+    import pandas as pd
+
+    from kvbench.report.sections.dev_split_section import dev_choice
+
+    # b loses 0.01 more next-token NLL (1% of base 1.0) but 0.05 less recall NLL (5% of base 1.0): b is chosen
+    d = pd.DataFrame({"model": ["m"] * 2, "compressor": ["c"] * 2, "compressor_params.bits": [1, 1],
+                      "cfg.dataset.split": ["dev"] * 2, "delta_nll": [0.01, 0.02], "nll_base": [1.0, 1.0],
+                      "delta_nll_recall": [0.10, 0.05], "nll_recall_base": [1.0, 1.0]})
+    got = dev_choice(d)
+    assert got["chosen"].tolist() == ["", "yes"]
+    assert got["dev_objective"].tolist() == pytest.approx([0.11, 0.07])
+    # relative to each axis's base: the same recall losses over a base of 10 no longer outweigh the NLL difference
+    d["nll_recall_base"] = [10.0, 10.0]
+    assert dev_choice(d)["chosen"].tolist() == ["yes", ""]
 
 
 def test_the_default_is_the_setting_with_the_lowest_nll_change_summed_over_the_budgets():
@@ -100,7 +117,7 @@ def test_the_default_is_the_setting_with_the_lowest_nll_change_summed_over_the_b
                       "compressor_params.w": ["a", "b", "a", "b", "c", "a"],
                       "params": ["bits=1 w=a", "bits=1 w=b", "bits=2 w=a", "bits=2 w=b", "bits=2 w=c", "bits=2 w=a"],
                       "cfg.dataset.split": ["dev"] * 5 + ["test"],
-                      "delta_nll": [0.05, 0.07, 0.004, 0.003, 0.0, 0.0]})
+                      "delta_nll": [0.05, 0.07, 0.004, 0.003, 0.0, 0.0], "nll_base": [1.0] * 6})
     got = dev_choice(d).set_index("params")
     assert got["chosen"].to_dict() == {"bits=1 w=a": "yes", "bits=1 w=b": "", "bits=2 w=a": "", "bits=2 w=b": "",
                                        "bits=2 w=c": "yes"}

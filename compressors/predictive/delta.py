@@ -72,6 +72,9 @@ class Delta(Compressor):
     name = "delta"
     family = "predictive"
     max_rel_mse = 0.0  # step 0: bit-exact
+    # none chosen on dev: the predictor is the method itself (CacheGen's previous, the paper's linear), a variant of
+    # its own rather than a setting; the fitted state is the predictors' weights and the steps that bits sets
+    tuned = ()
 
     def __post_init__(self) -> None:
         if self.predictor == "model":

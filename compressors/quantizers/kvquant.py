@@ -261,6 +261,7 @@ class KVQuant(Compressor):
     name: ClassVar[str] = "kvquant"
     family: ClassVar[str] = "quantizer"
     max_rel_mse: ClassVar[float] = 0.05  # 3-bit codebooks: 0.026 (K), 0.024 (V) measured
+    tuned: ClassVar[tuple[str, ...]] = ("outlier_fraction",)
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -149,6 +149,7 @@ class AquaKV(Compressor):
     name: ClassVar[str] = "aquakv"
     family: ClassVar[str] = "transform"
     max_rel_mse: ClassVar[float] = 0.15  # 2 bits: 0.086 (K), 0.073 (V) measured
+    tuned: ClassVar[tuple[str, ...]] = ("vector", "ridge")
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -148,6 +148,7 @@ class Kvtc(Compressor):
     name: ClassVar[str] = "kvtc"
     family: ClassVar[str] = "transform"
     max_rel_mse: ClassVar[float] = 0.2  # 2 bits: 0.104 (K), 0.010 (V) measured
+    tuned: ClassVar[tuple[str, ...]] = ("key_weight", "pca_scope")
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

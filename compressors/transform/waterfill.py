@@ -103,6 +103,7 @@ class Waterfill(Compressor):
     name: ClassVar[str] = "waterfill"
     family: ClassVar[str] = "transform"
     max_rel_mse: ClassVar[float] = 0.9  # 1 bit: 0.65 (K), 0.20 (V) measured; under 1, what zeros score
+    tuned: ClassVar[tuple[str, ...]] = ("key_weight", "obs_window", "power", "tiers")
     needs_config: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True  # the encoder recomputes queries; the decoder runs no model
 

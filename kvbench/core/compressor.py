@@ -69,6 +69,11 @@ class Compressor(abc.ABC):
     #: True for the cache format the quality axes compare every coder with (the FP8 cache serving stacks accept): the
     #: frontier's recall axis reports each cell's loss minus this one's on the same windows
     quality_reference: ClassVar[bool] = False
+    #: the fields whose defaults the development split chooses (study dev_split: configs/experiment/dev_*.yaml, never
+    #: the scored windows); the others are the budget or the values of the reference the class cites. A class that
+    #: fits codec state (overrides :meth:`state`) declares them, and tests/test_dev_defaults.py asserts that each
+    #: default in ``configs/compressor/<name>.yaml`` is the setting the committed dev evidence chose
+    tuned: ClassVar[tuple[str, ...]] = ()
 
     def fit(self, calib: Sequence[KVSequence], config: Any = None) -> None:
         """Learn codebooks or predictors on calibration sequences (disjoint from the evaluated ones). ``config`` is

@@ -36,6 +36,7 @@ CATALOGUE = {c.key: c for c in (
     _col("params", "params"),
     _col("chosen", "chosen on dev"),
     _col("default", "default (all budgets)"),
+    _col("dev_objective", "objective (rel. dNLL + rel. recall dNLL)", ".4f"),
     _col("rank_stream", "rank by stream", "d"),
     _col("rank_charged", "rank by charged", "d"),
     _col("rank_amortized", "rank by amortized", "d"),

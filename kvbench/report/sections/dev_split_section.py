@@ -11,28 +11,42 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
-                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "chosen", "default")
+                   "delta_nll", "delta_nll_ci_text", "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text",
+                   "dev_objective", "eval_documents_n", "chosen", "default")
 #: a candidate competes only if its stream rate is within this factor of the lowest of its coder and budget
 RATE_SLACK = 1.05
 DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "
-            "other documents; the calibration windows are the test runs' own). Per model, coder and bit budget the "
-            "chosen candidate is the one with the lowest dNLL among those whose stream bits/elt is within "
-            f"{RATE_SLACK - 1:.0%} of the lowest of that coder and budget (a candidate that spends more bits on the "
-            "same budget does not win by it); a coder's default (one setting for every budget) is the setting whose dNLL, "
-            "summed over the budgets, is lowest among those at matched rate at every budget. The test windows are never "
-            "scored here. A run on the test split is not shown.")
+            "other documents; the calibration windows are the test runs' own). The objective weighs both quality axes "
+            "alike: the next-token NLL change over the base NLL plus the recall-probe NLL change over the recall base "
+            "(each a relative loss). Per model, coder and bit budget the chosen candidate is the one with the lowest "
+            f"objective among those whose stream bits/elt is within {RATE_SLACK - 1:.0%} of the lowest of that coder and "
+            "budget (a candidate that spends more bits on the same budget does not win by it); a coder's default (one "
+            "setting for every budget) is the setting whose objective, summed over the budgets, is lowest among those at "
+            "matched rate at every budget. The test windows are never scored here. A run on the test split is not "
+            "shown.")
+
+
+def dev_objective(d: pd.DataFrame) -> pd.Series:
+    """The selection objective of each run: ``delta_nll / nll_base + delta_nll_recall / nll_recall_base``, the two
+    quality axes' relative losses summed (next-token NLL alone wins by where its error falls, and pays on the recall
+    probe). A run without a recall figure is scored on next-token NLL alone."""
+    nll = numeric(d, "delta_nll") / numeric(d, "nll_base")
+    if "delta_nll_recall" not in d:
+        return nll
+    return nll + (numeric(d, "delta_nll_recall") / numeric(d, "nll_recall_base")).fillna(0.0)
 
 
 def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
-    """The dev runs of ``d`` with ``chosen`` = ``yes`` on the lowest delta-NLL per (model, compressor, bits) among the
-    runs at matched rate (stream bits per element at most :data:`RATE_SLACK` times the group's lowest)."""
+    """The dev runs of ``d`` with ``chosen`` = ``yes`` on the lowest :func:`dev_objective` per (model, compressor,
+    bits) among the runs at matched rate (stream bits per element at most :data:`RATE_SLACK` times the group's
+    lowest), and ``default`` = ``yes`` on the runs of each coder's default setting."""
     if d.empty or "cfg.dataset.split" not in d:
         return d.iloc[0:0]
     dev = d[d["cfg.dataset.split"].astype(str) == "dev"].copy()
     if dev.empty:
         return dev
     keys = [dev[c].astype(str) for c in ("model", "compressor", "compressor_params.bits") if c in dev]
-    dnll = numeric(dev, "delta_nll")
+    dev["dev_objective"] = dnll = dev_objective(dev)
     if "stream_bits_per_element" in dev:
         rate = numeric(dev, "stream_bits_per_element")
         dnll = dnll.where(rate <= rate.groupby(keys).transform("min") * RATE_SLACK)
@@ -44,7 +58,7 @@ def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
 
 def _defaults(dev: pd.DataFrame, dnll: pd.Series) -> list[str]:
     """``yes`` on the runs of each (model, compressor)'s default setting: its hyperparameters apart from the budget,
-    with the lowest delta-NLL summed over the budgets, among the settings competing (``dnll`` not NaN) at all."""
+    with the lowest objective summed over the budgets, among the settings competing (``dnll`` not NaN) at all."""
     others = [c for c in param_columns(dev) if c != "compressor_params.bits"]
     setting = pd.Series([" ".join(plain(v) for v in row) for row in dev[others].itertuples(index=False)],
                         index=dev.index, dtype=object)

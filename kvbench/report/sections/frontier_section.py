@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report import study_figures
-from kvbench.report.collect import Collection, fact, interval_of, interval_text, numeric
+from kvbench.report.collect import Collection, fact, interval_text, numeric
 from kvbench.report.sections.per_model import by_model, model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -105,7 +105,6 @@ def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
     from kvbench.measure.metrics.reference_diff import paired_difference
 
     d = d.copy()
-    d["delta_nll_recall_ci_text"] = [interval_text(*interval_of(v), "+.3f") for v in d.get("delta_nll_recall_ci", [None] * len(d))]
     diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
     refs = d[fact(d, "quality_reference").map(lambda v: v is True or v == "True").astype(bool)]
     for i, (_, row) in enumerate(d.iterrows()):

@@ -58,6 +58,7 @@ def test_the_frontier_page_shows_each_cells_recall_minus_fp8s(tmp_path, tiny_cfg
 
     coder, s = _run(tmp_path / "runs", tiny_cfg, tiny_handle, "+compressor=kivi", "compressor.bits=2", "compressor.residual=0")
     ref, _ = _run(tmp_path / "runs", tiny_cfg, tiny_handle, "+compressor=fp8")
+    exact, _ = _run(tmp_path / "runs", tiny_cfg, tiny_handle, "+compressor=identity")
     got = collect([tmp_path / "runs"])
     d = recall_vs_reference(got.table).set_index("compressor")
     run_metrics = OmegaConf.create({"ci_block": 32, "ci_resamples": 2000, "ci_seed": 0})  # configs/run.yaml's
@@ -67,3 +68,8 @@ def test_the_frontier_page_shows_each_cells_recall_minus_fp8s(tmp_path, tiny_cfg
     tables, _ = frontier(got)
     assert any(t.title == "the long-range recall probe, every cell" for t in tables)
 
+    ranked = next(t for t in tables if t.title.startswith("fewest stream bits per element whose recall loss"))
+    # the reference is never its own answer; a coder is ranked exactly when its recall is shown no worse than FP8's
+    shown = set(ranked.frame["compressor"])
+    assert "fp8" not in shown and "identity" in shown  # the 16-bit cache loses nothing FP8 keeps
+    assert ("kivi" in shown) == (want["verdict"] == "no worse")

@@ -24,6 +24,10 @@ FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "e
 RECALL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                       "nll_verdict", "nll_recall_base", "delta_nll_recall", "delta_nll_recall_ci_text", "recall_vs_ref",
                       "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n")
+RECALL_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+                           "bits_per_element", "bits_per_element_amortized", "delta_nll_recall",
+                           "delta_nll_recall_ci_text", "recall_vs_ref", "recall_vs_ref_ci_text", "nll_verdict",
+                           "eval_documents_n", "rank_stream", "rank_charged", "rank_amortized")
 RECALL_NOTE = ("recall dNLL: the long-range probe (a copy of an early passage, scored where the copy repeats it; "
                "`kvbench/measure/run.py`) with the compressed cache minus the 16-bit cache's, paired 95% interval over "
                "documents then blocks; minus FP8's: the same copy spans' compressed NLL minus the FP8 cache's on the same "
@@ -58,12 +62,15 @@ def frontier_label(d: pd.DataFrame) -> pd.Series:
     return label.where(label.notna(), d["compressor"].astype(str))
 
 
-def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series")) -> pd.DataFrame:
-    """Per model and curve, the cell with the fewest stream bits per element whose delta-NLL interval lies wholly
-    within 1% of the base NLL (verdict ``within``); curves without one are left out."""
-    if d.empty or "nll_verdict" not in d:
+def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series"), verdict: str = "nll_verdict",
+                  passing: str = "within") -> pd.DataFrame:
+    """Per model and curve, the cell with the fewest stream bits per element whose ``verdict`` column says
+    ``passing``: by default the delta-NLL interval lies wholly within 1% of the base NLL; with ``recall_vs_ref_verdict``
+    and ``no worse``, the recall probe's loss is no larger than the reference cache's. Curves without one are left
+    out."""
+    if d.empty or verdict not in d:
         return d.iloc[0:0]
-    ok = d[(d["nll_verdict"] == "within") & numeric(d, "stream_bits_per_element").notna()]
+    ok = d[(d[verdict] == passing) & numeric(d, "stream_bits_per_element").notna()]
     if ok.empty:
         return ok
     best = ok.loc[numeric(ok, "stream_bits_per_element").groupby([ok[c] for c in by]).idxmin()]
@@ -93,6 +100,11 @@ def rank_note(ranked: pd.DataFrame) -> str:
     return f"The ranking by stream bits differs from the ranking by the other rates on {', '.join(differ)}."
 
 
+def is_reference(d: pd.DataFrame) -> pd.Series:
+    """Per row, whether its compressor says it is the quality axes' reference (its ``quality_reference`` fact)."""
+    return fact(d, "quality_reference").map(lambda v: v is True or v == "True").astype(bool)
+
+
 def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
     """``d`` with each row's recall-probe NLL minus the reference cache's on the same windows (``recall_vs_ref``, its
     interval and verdict), where both runs kept the probe's per-token NLLs; blank elsewhere. The reference is the run
@@ -106,7 +118,7 @@ def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
 
     d = d.copy()
     diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
-    refs = d[fact(d, "quality_reference").map(lambda v: v is True or v == "True").astype(bool)]
+    refs = d[is_reference(d)]
     for i, (_, row) in enumerate(d.iterrows()):
         same = refs[(refs["model"] == row.get("model")) & (refs["windows"] == row.get("windows"))]
         if same.empty or "run_dir" not in row:
@@ -136,8 +148,14 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
                     f"Ranked by each rate within its model (1: fewest bits). {rank_note(best)}",
                     empty="_no cell is within 1% on its interval_\n")]
     if "delta_nll_recall" in d and numeric(d, "delta_nll_recall").notna().any():
-        tables.append(Table("frontier", recall_vs_reference(d), RECALL_COLUMNS,
-                            "the long-range recall probe, every cell", RECALL_NOTE))
+        recall = recall_vs_reference(d)
+        tables.append(Table("frontier", recall, RECALL_COLUMNS, "the long-range recall probe, every cell", RECALL_NOTE))
+        kept = rate_ranks(lowest_within(recall[~is_reference(recall)], verdict="recall_vs_ref_verdict", passing="no worse"))
+        tables.append(Table("frontier", kept, RECALL_BEST_COLUMNS,
+                            "fewest stream bits per element whose recall loss is no larger than FP8's, per coder and model",
+                            f"Ranked by each rate within its model (1: fewest bits); the reference row itself is "
+                            f"left out. {rank_note(kept)}",
+                            empty="_no cell's recall loss is shown no larger than the FP8 cache's on its interval_\n"))
     figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")
                for model, g in by_model(d)}
     return tables, figures

@@ -5,7 +5,7 @@ in its ``figures/``) from that evidence and, for a study with a findings file, t
 and the evidence when it is registered as evidence-backed (:mod:`kvbench.report.pages`), else with the section's
 table put between its markers.
 
-    python scripts/NAME.py [--no-run] [--force] [--cells] [--allow-mixed] [--only "OVERRIDE ..."]... [OVERRIDE ...]
+    python scripts/NAME.py [--no-run] [--force] [--cells] [--no-lock] [--allow-mixed] [--only "OVERRIDE ..."]... [OVERRIDE ...]
 
 The evidence holds runs of one code version of a clean tree: runs of several, or of a dirty tree, are refused
 unless ``--allow-mixed`` (the page then says so).
@@ -67,6 +67,9 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     ap.add_argument("--cells", action="store_true", help="print each cell's command and stop")
     ap.add_argument("--only", action="append", default=[], metavar="OVERRIDES",
                     help="keep the cells that carry every one of these overrides (a bare name: the preset)")
+    ap.add_argument("--no-lock", action="store_true",
+                    help="measure without the benchmark lock, so that two drivers (one per model) run side by side; "
+                         "timed figures then carry the load they ran under, which every run summary records")
     ap.add_argument("--allow-mixed", action="store_true",
                     help="publish runs of several code versions or of a dirty tree as the evidence (the page says so)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every cell")
@@ -88,6 +91,7 @@ def main(name: str, description: str, argv: list[str] | None = None, runs: str =
     failed = []
     if not args.no_run:
         todo.sort(key=lambda c: any(f"+compressor={s}" in c.overrides for s in slow))  # stable: the rest keep order
+        lock = lock and not args.no_lock
         failed = run_isolated(todo, lock) if isolate else run_in_process(todo, args.force, lock)
     page = registry(base).get(findings) if findings else None
     # results/report/ holds only what --pages rebuilds and --check compares (a page's report, written by build):

@@ -72,7 +72,7 @@ def test_every_cell_of_the_selection_study_scores_the_dev_split_alone():
     from kvbench.sweep.presets import cells
 
     todo = cells(section("dev_split").presets, ["model=gemma3_270m"])
-    assert len(todo) == 16 + 24 + 8 + 6 and all(c.cfg.dataset.split == "dev" for c in todo)
+    assert len(todo) == 16 + 24 + 8 and all(c.cfg.dataset.split == "dev" for c in todo)
 
 
 def test_the_dev_choice_is_the_lowest_nll_change_per_coder_and_budget_at_matched_rate():

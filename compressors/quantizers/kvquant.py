@@ -261,7 +261,9 @@ class KVQuant(Compressor):
     name: ClassVar[str] = "kvquant"
     family: ClassVar[str] = "quantizer"
     max_rel_mse: ClassVar[float] = 0.05  # 3-bit codebooks: 0.026 (K), 0.024 (V) measured
-    tuned: ClassVar[tuple[str, ...]] = ("outlier_fraction",)
+    # none chosen on dev: the outlier share is part of the rate (each outlier costs its 16-bit value and position),
+    # like the codebook width, so the frontier sweeps it as a rate, at the paper's 1% by default
+    tuned: ClassVar[tuple[str, ...]] = ()
     needs_config: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

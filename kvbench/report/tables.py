@@ -143,6 +143,7 @@ CATALOGUE = {c.key: c for c in (
     _col("eval_s_per_example", "s/example", ".2f"),
     _col("contexts_from_store", "from store", "d"),
     _col("load_average_1min", "load (1 min)", ".1f"),
+    _col("measure_s", "cell s", ",.0f"),
     # end-to-end latency (latency.json, one row per context and cache)
     _col("context", "context", "d"),
     _col("cache", "cache"),

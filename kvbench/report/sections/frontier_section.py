@@ -16,7 +16,7 @@ from kvbench.report.tables import pick
 FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                         "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio",
                         "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rel_mse_k", "rel_mse_v",
-                        "rd_bits_per_element", "rd_bits_per_element_pre_rope")
+                        "rd_bits_per_element", "rd_bits_per_element_pre_rope", "measure_s", "load_average_1min")
 FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",
@@ -41,6 +41,8 @@ RATE_NOTE = ("stream bits/elt: the bitstreams alone over every K and V element; 
              "codec serves (rate.amortize_tokens, as the run records it); best points are ranked by stream bits; dNLL: "
              "held-out NLL change with its paired 95% interval; within 1%? decided on the interval against 1% of the "
              "base NLL.")
+CELL_NOTE = ("cell s: the cell's wall time (capture, fit and the 16-bit baseline included where the cell did them; a "
+             "later cell of the same process reuses the trace and the baseline), with the 1-minute load it ran under.")
 RD_NOTE = ("Gaussian R(D): the bits per element reverse water-filling over each layer's covariance (the coded "
            "windows', keys as stored, and with RoPE undone) needs for the cell's own relative MSE of K and V, the rate "
            "a coder matched to second-order statistics reaches that error with (blank for a cell that evicts or is "
@@ -142,7 +144,7 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
     best = rate_ranks(lowest_within(d))
     # runs from before the reference was measured show no column, so no note for it
     rd_note = RD_NOTE if "rd_bits_per_element" in d and numeric(d, "rd_bits_per_element").notna().any() else ""
-    tables = [Table("frontier", d, FRONTIER_COLUMNS, "every cell", f"{trace_notes(d)} {RATE_NOTE} {rd_note}".strip(), csv=True),
+    tables = [Table("frontier", d, FRONTIER_COLUMNS, "every cell", f"{trace_notes(d)} {RATE_NOTE} {rd_note} {CELL_NOTE}".strip(), csv=True),
               Table("frontier", best, FRONTIER_BEST_COLUMNS,
                     "fewest stream bits per element within 1% NLL, per coder and model",
                     f"Ranked by each rate within its model (1: fewest bits). {rank_note(best)}",

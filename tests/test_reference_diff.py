@@ -3,6 +3,8 @@ behind "keeps recall no worse than FP8"."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -73,3 +75,19 @@ def test_the_frontier_page_shows_each_cells_recall_minus_fp8s(tmp_path, tiny_cfg
     shown = set(ranked.frame["compressor"])
     assert "fp8" not in shown and "identity" in shown  # the 16-bit cache loses nothing FP8 keeps
     assert ("kivi" in shown) == (want["verdict"] == "no worse")
+
+
+def test_committed_evidence_pairs_its_runs_where_the_checkout_holds_them(tmp_path, tiny_cfg, tiny_handle):
+    """Evidence names its runs relative to the results root (the same text in any checkout); the paired figure reads
+    their files from there, not from the working directory."""
+    from kvbench.report.evidence import export, load
+    from kvbench.report.sections.frontier_section import recall_vs_reference
+
+    coder, s = _run(tmp_path / "runs", tiny_cfg, tiny_handle, "+compressor=kivi", "compressor.bits=2", "compressor.residual=0")
+    ref, _ = _run(tmp_path / "runs", tiny_cfg, tiny_handle, "+compressor=fp8")
+    export("frontier", [coder, ref], tmp_path / "results", allow_mixed=True)
+    got = load("frontier", tmp_path / "results").got
+    assert not Path(got.table["run_dir"].iloc[0]).is_absolute()
+    d = recall_vs_reference(got.table, got).set_index("compressor")
+    run_metrics = OmegaConf.create({"ci_block": 32, "ci_resamples": 2000, "ci_seed": 0})
+    assert d.loc["kivi", "recall_vs_ref"] == pytest.approx(paired_difference(coder, ref, run_metrics, s["eval_documents"])["diff"])

@@ -59,10 +59,9 @@ Simplified against the paper:
   ``first_layer_bits`` (default: ``bits``, so that the stream rate is ``bits`` plus norms).
 - The authors' code also keeps a 128-token recent window in 16 bit at inference; here every token after the sinks
   is coded (on 1024-token windows that window alone would cost about 2 bits per element).
-- No calibration/validation split and no reduced-rank predictors.
+- No reduced-rank predictors.
 
-Calibration keys must be pre-RoPE as well: :meth:`AquaKV.fit` undoes RoPE itself when given the model config, and
-otherwise reads the windows' captured pre-RoPE keys (``capture.pre_rope=true`` in a run).
+Calibration keys must be pre-RoPE too: :meth:`AquaKV.fit` undoes RoPE with the model config, else reads them captured.
 
 Measured on SmolLM2-135M (SOTU, 4 windows of 1024 tokens, 2,048 scored tokens, calibration on 2 other windows):
 ``bits=2`` stores 2.14 stream bits per element at ΔNLL +0.004 nats (95% CI [-0.003, +0.011]), where TurboQuant at
@@ -132,9 +131,9 @@ def _empty_hats(L: int, T: int, width: int) -> dict[str, np.ndarray]:
 
 @dataclass
 class AquaKV(Compressor):
-    """AQUA-KV (arXiv 2501.19392): linear predictors of each layer's K and V from the reconstructed layer below
-    (and V from this layer's reconstructed K), fitted layer by layer on reconstructed calibration caches; the
-    residual quantized with TurboQuant_mse at ``bits`` per element."""
+    """AQUA-KV (arXiv 2501.19392): linear predictors of each layer's K and V from the reconstructed layer below (and
+    V from this layer's K), fitted layer by layer on reconstructed calibration caches; the residual quantized with
+    TurboQuant_mse at ``bits`` per element. ``vector`` and ``ridge`` are the development split's (the paper's too)."""
 
     bits: float = 2
     scope: str = "prev_layer_and_k"

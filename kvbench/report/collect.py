@@ -42,6 +42,13 @@ class Collection:
     restore: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (restore run, context, bandwidth)
     stepcost: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (stepcost run, stage)
     reliability: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (reliability run, mutation)
+    #: the folder a relative ``run_dir`` is under (committed evidence names its runs relative to the results root, so
+    #: that what is built from it is the same in any checkout); None: the run dirs are paths as they stand
+    root: Path | None = None
+
+    def run_path(self, run_dir: str) -> Path:
+        """Where the files of the run at ``run_dir`` (a row's ``run_dir``) are."""
+        return Path(run_dir) if self.root is None else self.root / run_dir
 
     def frames(self) -> dict[str, pd.DataFrame]:
         """Each kind of run (:data:`FRAMES`) and its frame."""

@@ -19,6 +19,7 @@ unless ``allow_mixed`` (which the manifest records and each page built from it s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -179,7 +180,7 @@ def load(study: str, results: str | os.PathLike | None = None) -> Evidence:
         raise ValueError(f"no committed evidence for study {study!r} ({path / MANIFEST} is missing); a study's "
                          "driver writes it, or python -m kvbench report --export-evidence STUDY RUN_DIRS...")
     manifest = json.loads((path / MANIFEST).read_text())
-    got = collect([path])
+    got = dataclasses.replace(collect([path]), root=path.parent.parent)  # run_dir: FOLDER/study/run
     if got.skipped:
         raise ValueError(f"evidence of {study!r} holds unreadable runs: "
                          + "; ".join(f"{p}: {why}" for p, why in got.skipped))

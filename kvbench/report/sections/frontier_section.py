@@ -65,14 +65,14 @@ def frontier_label(d: pd.DataFrame) -> pd.Series:
 
 
 def lowest_within(d: pd.DataFrame, by: Sequence[str] = ("model", "series"), verdict: str = "nll_verdict",
-                  passing: str = "within") -> pd.DataFrame:
-    """Per model and curve, the cell with the fewest stream bits per element whose ``verdict`` column says
+                  passing: Sequence[str] = ("within",)) -> pd.DataFrame:
+    """Per model and curve, the cell with the fewest stream bits per element whose ``verdict`` column says one of
     ``passing``: by default the delta-NLL interval lies wholly within 1% of the base NLL; with ``recall_vs_ref_verdict``
     and ``no worse``, the recall probe's loss is no larger than the reference cache's. Curves without one are left
     out."""
     if d.empty or verdict not in d:
         return d.iloc[0:0]
-    ok = d[(d[verdict] == passing) & numeric(d, "stream_bits_per_element").notna()]
+    ok = d[d[verdict].isin(list(passing)) & numeric(d, "stream_bits_per_element").notna()]
     if ok.empty:
         return ok
     best = ok.loc[numeric(ok, "stream_bits_per_element").groupby([ok[c] for c in by]).idxmin()]
@@ -107,14 +107,14 @@ def is_reference(d: pd.DataFrame) -> pd.Series:
     return fact(d, "quality_reference").map(lambda v: v is True or v == "True").astype(bool)
 
 
-def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
+def recall_vs_reference(d: pd.DataFrame, runs: Collection | None = None) -> pd.DataFrame:
     """``d`` with each row's recall-probe NLL minus the reference cache's on the same windows (``recall_vs_ref``, its
     interval and verdict), where both runs kept the probe's per-token NLLs; blank elsewhere. The reference is the run
-    whose compressor says it is one (its ``quality_reference`` fact: the FP8 cache)."""
+    whose compressor says it is one (its ``quality_reference`` fact: the FP8 cache). ``runs``: the collection ``d`` comes
+    from, which says where its runs' files are (committed evidence names them relative to the results root)."""
     import json
     import math
-
-    from omegaconf import OmegaConf
+    from types import SimpleNamespace
 
     from kvbench.measure.metrics.reference_diff import paired_difference
 
@@ -125,11 +125,12 @@ def recall_vs_reference(d: pd.DataFrame) -> pd.DataFrame:
         same = refs[(refs["model"] == row.get("model")) & (refs["windows"] == row.get("windows"))]
         if same.empty or "run_dir" not in row:
             continue
-        metrics = OmegaConf.create({k: row.get(f"cfg.metrics.{k}") for k in ("ci_block", "ci_resamples", "ci_seed")})
+        metrics = SimpleNamespace(**{k: int(row.get(f"cfg.metrics.{k}")) for k in ("ci_block", "ci_resamples", "ci_seed")})
         docs = row.get("eval_documents")
         docs = json.loads(docs) if isinstance(docs, str) else docs
         try:
-            got = paired_difference(Path(row["run_dir"]), Path(same.iloc[0]["run_dir"]), metrics,
+            where = runs.run_path if runs is not None else Path
+            got = paired_difference(where(row["run_dir"]), where(same.iloc[0]["run_dir"]), metrics,
                                     None if docs is None or (isinstance(docs, float) and math.isnan(docs)) else list(docs))
         except ValueError:  # a run that kept no probe arrays, or another window set: no paired figure
             continue
@@ -150,14 +151,23 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
                     f"Ranked by each rate within its model (1: fewest bits). {rank_note(best)}",
                     empty="_no cell is within 1% on its interval_\n")]
     if "delta_nll_recall" in d and numeric(d, "delta_nll_recall").notna().any():
-        recall = recall_vs_reference(d)
+        recall = recall_vs_reference(d, got)
         tables.append(Table("frontier", recall, RECALL_COLUMNS, "the long-range recall probe, every cell", RECALL_NOTE))
-        kept = rate_ranks(lowest_within(recall[~is_reference(recall)], verdict="recall_vs_ref_verdict", passing="no worse"))
+        coders = recall[~is_reference(recall)]
+        kept = rate_ranks(lowest_within(coders, verdict="recall_vs_ref_verdict", passing=("no worse",)))
         tables.append(Table("frontier", kept, RECALL_BEST_COLUMNS,
                             "fewest stream bits per element whose recall loss is no larger than FP8's, per coder and model",
                             f"Ranked by each rate within its model (1: fewest bits); the reference row itself is "
                             f"left out. {rank_note(kept)}",
                             empty="_no cell's recall loss is shown no larger than the FP8 cache's on its interval_\n"))
+        near = rate_ranks(lowest_within(coders, verdict="recall_vs_ref_verdict", passing=("no worse", "unresolved")))
+        tables.append(Table("frontier", near, RECALL_BEST_COLUMNS + pick("recall_vs_ref_verdict"),
+                            "fewest stream bits per element whose recall loss is not shown larger than FP8's, per "
+                            "coder and model",
+                            "The same ranking with the unresolved cells admitted (the paired interval straddles "
+                            "+0.01 nats): the closest each coder comes to the FP8 cache's recall, not a verdict that "
+                            f"it keeps it. {rank_note(near)}",
+                            empty="_every cell's recall loss is shown larger than the FP8 cache's_\n"))
     figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")
                for model, g in by_model(d)}
     return tables, figures

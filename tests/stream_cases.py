@@ -43,12 +43,9 @@ def instantiate(name: str, overrides: tuple[str, ...] = ()) -> Compressor:
 def needs_model(name: str) -> bool:
     """Whether the class ``configs/compressor/NAME.yaml`` targets declares ``needs_model`` (read without building
     it: a wrapper whose inner stage needs the model says so on the instance, and none of the configs has one)."""
-    import hydra.utils
-    from omegaconf import OmegaConf
+    from kvbench.core.config import compressor_class
 
-    from kvbench.core.config import CONFIG_DIR
-
-    return bool(hydra.utils.get_class(OmegaConf.load(CONFIG_DIR / "compressor" / f"{name}.yaml")._target_).needs_model)
+    return bool(compressor_class(name).needs_model)
 
 
 def random_kv(L=2, H=2, T=160, D=64, dtype=torch.float16, seed=0) -> KVSequence:

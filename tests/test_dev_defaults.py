@@ -6,11 +6,11 @@ hand, or a new tuned field nobody swept, fails here."""
 
 from pathlib import Path
 
-import hydra.utils
 import pytest
 from omegaconf import OmegaConf
 
 from kvbench.core.compressor import Compressor
+from kvbench.core.config import available, compressor_class
 from kvbench.report.collect import plain
 from kvbench.report.evidence import load
 from kvbench.report.sections.defaults_section import default_model
@@ -21,7 +21,7 @@ CONFIGS = ROOT / "configs" / "compressor"
 
 
 def _classes() -> dict[str, type]:
-    return {p.stem: hydra.utils.get_class(OmegaConf.load(p)["_target_"]) for p in sorted(CONFIGS.glob("*.yaml"))}
+    return {name: compressor_class(name) for name in available("compressor")}
 
 
 def _fitted() -> dict[str, type]:

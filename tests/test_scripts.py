@@ -178,3 +178,14 @@ def test_a_cell_whose_compressor_cannot_be_built_fails_alone(monkeypatch):
     monkeypatch.setattr(experiments, "_reusable", reusable)
     todo = cells([Preset("run", "frontier_delta")])
     assert experiments.run_in_process(todo) == todo[:1]
+
+
+@pytest.mark.parametrize(("flags", "locked"), [([], True), (["--no-lock"], False)])
+def test_no_lock_measures_a_locked_studys_cells_without_the_benchmark_lock(flags, locked, tmp_path, monkeypatch):
+    from kvbench import studies
+
+    seen = []
+    monkeypatch.setattr(studies, "run_in_process", lambda todo, force, lock: seen.append(lock) or [])
+    argv = [*flags, "--only", "frontier_fp8 model=smollm2_135m", f"paths.results={tmp_path}"]
+    assert studies.main("frontier", "frontier", argv, lock=True) == 1  # nothing ran, so no run to publish
+    assert seen == [locked]

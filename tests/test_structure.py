@@ -156,12 +156,11 @@ def test_no_compressor_is_named_in_harness_or_report_code():
 
 
 def test_each_compressor_config_is_named_as_its_class_and_declares_a_family():
-    import hydra.utils
-    from omegaconf import OmegaConf
+    from kvbench.core.config import compressor_class
 
     families = {"quantizer", "transform", "predictive", "exact", "dedup", "eviction"}
     for name in sorted(_compressor_names()):
-        cls = hydra.utils.get_class(OmegaConf.load(ROOT / "configs" / "compressor" / f"{name}.yaml")["_target_"])
+        cls = compressor_class(name)
         assert cls.name == name, f"configs/compressor/{name}.yaml selects {cls.__name__}, named {cls.name!r}"
         assert cls.family in families, f"{cls.__name__}.family={cls.family!r}; one of {sorted(families)}"
 
@@ -169,11 +168,10 @@ def test_each_compressor_config_is_named_as_its_class_and_declares_a_family():
 def test_each_compressor_class_declares_the_distortion_of_its_default_configuration():
     """``max_rel_mse``: a number below 1 (what a decoder returning zeros scores), 0 for a class that declares itself
     lossless; the contract suite measures every default configuration against it."""
-    import hydra.utils
-    from omegaconf import OmegaConf
+    from kvbench.core.config import compressor_class
 
     for name in sorted(_compressor_names()):
-        cls = hydra.utils.get_class(OmegaConf.load(ROOT / "configs" / "compressor" / f"{name}.yaml")["_target_"])
+        cls = compressor_class(name)
         bound = cls.max_rel_mse
         assert isinstance(bound, float) and 0 <= bound < 1, \
             f"{cls.__name__}.max_rel_mse={bound!r}; declare the relative MSE its default stays under, 0 <= x < 1"

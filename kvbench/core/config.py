@@ -15,6 +15,14 @@ def available(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
+def compressor_class(name: str) -> type[Compressor]:
+    """The class ``configs/compressor/<name>.yaml`` selects (its ``_target_``), without instantiating it."""
+    import hydra.utils
+    from omegaconf import OmegaConf
+
+    return hydra.utils.get_class(OmegaConf.load(CONFIG_DIR / "compressor" / f"{name}.yaml")["_target_"])
+
+
 def instantiate_plugin(node: Any, base: type, group: str, kind: str) -> Any:
     """Instantiate a config node selected by ``_target_`` as a dataclass subclass of ``base``, with errors that
     name the available choices of ``group`` and the fields of the chosen class."""

@@ -256,15 +256,17 @@ def pool_tasks(g: pd.DataFrame) -> dict:
 
 
 def _quality(df: pd.DataFrame) -> None:
-    """The delta-NLL interval as numbers and as text (the recall probe's as text), its verdict against 1% of the base NLL (summaries without an
-    interval are ``unresolved``), and which evaluated windows a row was measured on (only rows on the same windows
-    are compared with each other)."""
-    ci = [interval_of(t) for t in (df["delta_nll_ci"] if "delta_nll_ci" in df else [None] * len(df))]
+    """The delta-NLL interval as numbers and as text (the recall probe's as text), its verdict against 1% of the base
+    NLL (summaries without an interval are ``unresolved``), and which evaluated windows a row was measured on (only
+    rows on the same windows are compared with each other)."""
+    def intervals(key: str) -> list[tuple[float, float]]:
+        return [interval_of(t) for t in (df[key] if key in df else [None] * len(df))]
+
+    ci = intervals("delta_nll_ci")
     df["delta_nll_low"] = [lo for lo, _ in ci]
     df["delta_nll_high"] = [hi for _, hi in ci]
     df["delta_nll_ci_text"] = [interval_text(lo, hi, "+.4f") for lo, hi in ci]
-    df["delta_nll_recall_ci_text"] = [interval_text(*interval_of(t), "+.3f")
-                                      for t in (df["delta_nll_recall_ci"] if "delta_nll_recall_ci" in df else [None] * len(df))]
+    df["delta_nll_recall_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in intervals("delta_nll_recall_ci")]
     base = numeric(df, "nll_base")
     df["nll_verdict"] = [verdict(c, NLL_TOLERANCE * b) if math.isfinite(b) else math.nan for c, b in zip(ci, base)]
     trace = df["trace"].astype(str).map(lambda t: Path(t).name) if "trace" in df else pd.Series("", index=df.index)

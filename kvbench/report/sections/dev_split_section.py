@@ -46,27 +46,27 @@ def dev_choice(d: pd.DataFrame) -> pd.DataFrame:
     if dev.empty:
         return dev
     keys = [dev[c].astype(str) for c in ("model", "compressor", "compressor_params.bits") if c in dev]
-    dev["dev_objective"] = dnll = dev_objective(dev)
+    dev["dev_objective"] = score = dev_objective(dev)
     if "stream_bits_per_element" in dev:
         rate = numeric(dev, "stream_bits_per_element")
-        dnll = dnll.where(rate <= rate.groupby(keys).transform("min") * RATE_SLACK)
-    best = dnll.groupby(keys).idxmin().dropna()
+        score = score.where(rate <= rate.groupby(keys).transform("min") * RATE_SLACK)
+    best = score.groupby(keys).idxmin().dropna()
     dev["chosen"] = ["yes" if i in set(best) else "" for i in dev.index]
-    dev["default"] = _defaults(dev, dnll)
+    dev["default"] = _defaults(dev, score)
     return model_first(dev)
 
 
-def _defaults(dev: pd.DataFrame, dnll: pd.Series) -> list[str]:
+def _defaults(dev: pd.DataFrame, score: pd.Series) -> list[str]:
     """``yes`` on the runs of each (model, compressor)'s default setting: its hyperparameters apart from the budget,
-    with the lowest objective summed over the budgets, among the settings competing (``dnll`` not NaN) at all."""
+    with the lowest objective summed over the budgets, among the settings competing (``score`` not NaN) at all."""
     others = [c for c in param_columns(dev) if c != "compressor_params.bits"]
     setting = pd.Series([" ".join(plain(v) for v in row) for row in dev[others].itertuples(index=False)],
                         index=dev.index, dtype=object)
     coder = dev["model"].astype(str) + "\0" + dev["compressor"].astype(str)
     budget = dev.get("compressor_params.bits", pd.Series("", index=dev.index)).astype(str)
     budgets = budget.groupby(coder).transform("nunique")
-    per = pd.DataFrame({"coder": coder, "setting": setting, "dnll": dnll, "budgets": budgets})
-    sums = per.groupby(["coder", "setting"]).agg(total=("dnll", "sum"), n=("dnll", "count"), want=("budgets", "first"))
+    per = pd.DataFrame({"coder": coder, "setting": setting, "score": score, "budgets": budgets})
+    sums = per.groupby(["coder", "setting"]).agg(total=("score", "sum"), n=("score", "count"), want=("budgets", "first"))
     sums = sums[sums["n"] == sums["want"]]
     if sums.empty:
         return [""] * len(dev)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvbench.measure.metrics.reference_diff import NO_WORSE_MARGIN, paired_difference
 from kvbench.report import study_figures
 from kvbench.report.collect import Collection, fact, interval_text, numeric
 from kvbench.report.sections.per_model import by_model, model_first, trace_notes
@@ -32,7 +33,7 @@ RECALL_NOTE = ("recall dNLL: the long-range probe (a copy of an early passage, s
                "`kvbench/measure/run.py`) with the compressed cache minus the 16-bit cache's, paired 95% interval over "
                "documents then blocks; minus FP8's: the same copy spans' compressed NLL minus the FP8 cache's on the same "
                "windows (`kvbench/measure/metrics/reference_diff.py`), no worse when its whole interval is at or below "
-               "+0.01 nats.")
+               f"{NO_WORSE_MARGIN:+g} nats.")
 #: the three rates a point can be ranked by: rank column -> rate column
 RANKS = {"rank_stream": "stream_bits_per_element", "rank_charged": "bits_per_element",
          "rank_amortized": "bits_per_element_amortized"}
@@ -116,11 +117,10 @@ def recall_vs_reference(d: pd.DataFrame, runs: Collection | None = None) -> pd.D
     import math
     from types import SimpleNamespace
 
-    from kvbench.measure.metrics.reference_diff import paired_difference
-
     d = d.copy()
     diff, text, verdict = [math.nan] * len(d), [math.nan] * len(d), [math.nan] * len(d)
     refs = d[is_reference(d)]
+    where = runs.run_path if runs is not None else Path
     for i, (_, row) in enumerate(d.iterrows()):
         same = refs[(refs["model"] == row.get("model")) & (refs["windows"] == row.get("windows"))]
         if same.empty or "run_dir" not in row:
@@ -129,7 +129,6 @@ def recall_vs_reference(d: pd.DataFrame, runs: Collection | None = None) -> pd.D
         docs = row.get("eval_documents")
         docs = json.loads(docs) if isinstance(docs, str) else docs
         try:
-            where = runs.run_path if runs is not None else Path
             got = paired_difference(where(row["run_dir"]), where(same.iloc[0]["run_dir"]), metrics,
                                     None if docs is None or (isinstance(docs, float) and math.isnan(docs)) else list(docs))
         except ValueError:  # a run that kept no probe arrays, or another window set: no paired figure
@@ -165,7 +164,7 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
                             "fewest stream bits per element whose recall loss is not shown larger than FP8's, per "
                             "coder and model",
                             "The same ranking with the unresolved cells admitted (the paired interval straddles "
-                            "+0.01 nats): the closest each coder comes to the FP8 cache's recall, not a verdict that "
+                            f"{NO_WORSE_MARGIN:+g} nats): the closest each coder comes to the FP8 cache's recall, not a verdict that "
                             f"it keeps it. {rank_note(near)}",
                             empty="_every cell's recall loss is shown larger than the FP8 cache's_\n"))
     figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")

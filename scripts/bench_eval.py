@@ -2,6 +2,7 @@
 
     python scripts/bench_eval.py [--compressor kivi] [--length 1024] [--per-family 2] [--families vt fwe ...]
                                  [--threads 2] [--protocol context_only] [--cells 2] [--prefills new|auto|none|DIR]
+                                 [--json out.json]
 
 Runs the evaluation as the CLI does (lm-eval's compressed pass, then the baseline's answers replayed through it) on
 ``per-family`` examples of each family at ``length`` tokens, and times each request's steps by wrapping the model
@@ -13,7 +14,9 @@ cell again in the same process, as a sweep of eval cells does: there the baselin
 first cell, so the second shows what every later cell of a sweep costs. ``--prefills`` is where the contexts' 16-bit
 prefills and the baseline's answers are kept (``paths.prefills``): ``new`` (the default) a fresh folder, so the first
 cell computes and keeps them and every later cell (``--cells 2``) loads them, as a cell of a later process would;
-``auto`` the store under ``KVBENCH_HOME``; ``none`` keeps none (every cell prefills every context).
+``auto`` the store under ``KVBENCH_HOME``; ``none`` keeps none (every cell prefills every context). ``--json``
+also writes each cell's figures, the commit and the machine's load (``results/bench_eval.json``: taken on a quiet
+machine, under the benchmark lock).
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ import argparse
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from kvbench.core.config import compose, make_compressor
+from kvbench.core.machine import conditions, load_average
 from kvbench.inputs.models import ModelHandle
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation.evaluate import build_lm, pair_task, run_passes
 from kvbench.measure.evaluation.tasks import task_specs
+from kvbench.store.atomic import write_json
+from kvbench.store.results import git_sha
 
 FAMILIES = ("ruler_niah_single_number_essay", "ruler_niah_multivalue", "ruler_vt", "ruler_cwe", "ruler_fwe")
 
@@ -62,6 +69,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--cells", type=int, default=1)
     p.add_argument("--prefills", default="new", help="new (a fresh folder), auto (KVBENCH_HOME's), none, or a folder")
+    p.add_argument("--json", type=Path, help="also write each cell's figures here")
     args = p.parse_args()
     fresh = tempfile.TemporaryDirectory(prefix="kvbench-prefills-") if args.prefills == "new" else None
     prefills = fresh.name if fresh else ("null" if args.prefills == "none" else args.prefills)
@@ -73,6 +81,8 @@ def main() -> None:
     OmegaConf.set_struct(cfg, False)
     handle = ModelHandle(cfg.model, cfg.device)
 
+    load = load_average()
+    cells: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     specs = task_specs(list(cfg.tasks), cfg, handle.tokenizer)
     data_s = time.perf_counter() - t0
@@ -98,6 +108,19 @@ def main() -> None:
         print(f"  contexts whose prefill was loaded from the store: {acc['stored_prefills']:.0f} of {acc['contexts']:.0f}")
         print(f"  generated tokens (compressed side) {acc['generated_tokens'] / n:.1f} per example; "
               f"accuracy base {sum(r['base'] for r in rows) / n:.2f}, compressed {sum(r['comp'] for r in rows) / n:.2f}")
+        cells.append({"cell": cell + 1, "examples": n, "s_per_example": total / n,
+                      "steps_s_per_example": {k: v / n for k, v in spent.items()},
+                      "encode_s_per_example": acc["encode_s"] / n, "decode_s_per_example": acc["decode_s"] / n,
+                      "contexts_from_store": int(acc["stored_prefills"]), "contexts": int(acc["contexts"]),
+                      "fit_s": fit_s})
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": args.model, "compressor": args.compressor, "set": args.set, "length": args.length,
+                "families": args.families, "per_family": args.per_family, "protocol": args.protocol,
+                "prefills": args.prefills, "git_sha": git_sha(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **conditions(args.threads, load)}
+        write_json(args.json, {"meta": meta, "cells": cells})
+        print(f"-> {args.json}")
 
 
 if __name__ == "__main__":

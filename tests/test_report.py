@@ -346,7 +346,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert not res["without_runs"] and not res["empty"], res["empty"]
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
                "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
-               "eviction_smollm2_135m", "ruler_smollm2_135m", "ruler_pooled_smollm2_135m", "latency_vs_memory"}
+               "eviction_smollm2_135m", "ruler_smollm2_135m", "ruler_pooled_smollm2_135m", "latency_vs_memory",
+               "frontier_ruler_smollm2_135m"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
@@ -373,6 +374,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| decode tokens/s vs 16-bit |" in md["decode"] and "| 0.500 |" in md["decode"]
     assert md["ruler"].count("## ") == 3 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
     assert "## The cells" in md["ruler"]
+    assert md["frontier_ruler"].count("## ") == 2, md["frontier_ruler"]
     assert "| smollm2_135m | ruler_vt | 1024 | 30 | 0.500 |" in md["ruler"]
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]

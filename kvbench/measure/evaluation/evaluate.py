@@ -149,6 +149,11 @@ def pair_task(spec: dict, passes: Passes, lm: CompressedKVLM) -> tuple[dict, lis
         "query_tokens_mean": float(np.mean([s[1] for s in shapes])) if ids else math.nan,
         "lm_eval_base": {key: passes.base["results"][name].get(key), "stderr": passes.base["results"][name].get(f"{metric}_stderr,{filt}")},
         "lm_eval_comp": {key: passes.comp["results"][name].get(key), "stderr": passes.comp["results"][name].get(f"{metric}_stderr,{filt}")},
+        # per example, so that two cells on the same examples can be paired with each other (a coder against the
+        # reference cache: kvbench.measure.metrics.reference_diff)
+        "doc_ids": [int(i) for i in ids],
+        "scores_base": b.tolist(),
+        "scores_comp": c.tolist(),
     }
     rows = []
     for i, bi, ci, (n_ctx, n_q) in zip(ids, b, c, shapes):
@@ -199,6 +204,9 @@ def summarise(cfg: Any, compressor: Compressor, lm: CompressedKVLM, per_task: di
         "contexts_from_store": int(acc["stored_prefills"]),
         "generated_tokens": int(acc["generated_tokens"]),
         "compressor_params": compressor.describe(),
+        # what the report says of the compressor (its label, exact tokens, whether it is the quality reference), for
+        # a context of the mean length coded here
+        "compressor_facts": compressor.facts(round(acc["compressed_tokens"] / acc["contexts"]) if acc["contexts"] else 0),
         # as the cache runs it: a compressor's own `residual` window is handed to the cache (see kvbench.cache.compressed)
         "cache_compressor_params": lm.cache_compressor.describe(),
         "dtype": cfg.dtype,

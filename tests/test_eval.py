@@ -167,6 +167,12 @@ def test_runner_pairs_lm_eval_results(handle, tmp_path, monkeypatch):
     assert summary["overall_informative"]["n"] == sum(t["n"] for t in clear)
     assert summary["overall"]["ci_method"] == "bootstrap_stratified"
     assert summary["near_chance_tasks"] == sorted(n for n, t in summary["tasks"].items() if t["near_chance"])
+    # each example's scores, so that two cells can be paired with each other, and the compressor's facts
+    for name, t in summary["tasks"].items():
+        mine = [r for r in rows if r["task"] == name]
+        assert t["doc_ids"] == [r["doc_id"] for r in mine] and t["scores_comp"] == [r["comp"] for r in mine]
+        assert t["scores_base"] == [r["base"] for r in mine]
+    assert summary["compressor_facts"]["exact_tokens"] and summary["compressor_facts"]["quality_reference"] is False
 
 
 def test_eval_config_composes_with_the_model_and_dataset_groups():

@@ -53,3 +53,35 @@ def test_the_section_writes_the_baseline_table_and_a_figure_per_model():
     assert sorted(base["task"]) == ["ruler_cwe_1k", "ruler_vt_1k", "ruler_vt_2k"]  # one row per model and task
     fig, why = figures["ruler_m"]
     assert fig is not None and why == ""
+
+
+def _scored(run: str, comp: str, reference: bool, scores: dict[str, list[float]], ids=None) -> list[dict]:
+    """A RULER run's task rows as collect() gives them, with each example's score kept (as eval summaries do)."""
+    import json
+
+    return [{"run_id": run, "model": "m", "compressor": comp, "compressor_params.name": comp, "bits_per_element": 2.0,
+             "compressor_facts.quality_reference": reference, "task": task, "n": len(s), "acc_base": 0.9,
+             "acc_comp": sum(s) / len(s), "diff": 0.0, "ci95_low": 0.0, "ci95_high": 0.0, "mcnemar_p": 1.0,
+             "doc_ids": json.dumps(ids or list(range(len(s)))), "scores_comp": json.dumps(s)}
+            for task, s in scores.items()]
+
+
+def test_a_cell_is_paired_with_the_reference_cache_example_by_example():
+    """coder minus FP8 on the same examples of the tasks clear of chance: a coder that scores as the reference does is
+    no worse; one that loses half of every task the reference answers is worse by half; one scored on other examples
+    gets no paired figure."""
+    from kvbench.report.sections.frontier_ruler_section import versus_reference
+
+    ref = {"ruler_vt_1k": [1.0] * 20, "ruler_fwe_1k": [1.0, 0.0] * 10}
+    half = {"ruler_vt_1k": [1.0, 0.0] * 10, "ruler_fwe_1k": [1.0, 0.0] * 5 + [0.0] * 10}
+    ev = pd.DataFrame(_scored("fp8", "fp8", True, ref) + _scored("same", "kvtc", False, ref)
+                      + _scored("half", "kivi", False, half)
+                      + _scored("other", "delta", False, ref, ids=list(range(100, 120))))
+    d = ruler_rows(ev)
+    tasks, cells = d[d["family"] != "pooled"], d[d["family"] == "pooled"]
+    got = versus_reference(tasks, cells).set_index("run_id")
+    assert got.loc["same", "ruler_vs_ref"] == 0.0 and got.loc["same", "ruler_vs_ref_verdict"] == "no worse"
+    assert got.loc["fp8", "ruler_vs_ref_verdict"] == "no worse"
+    assert got.loc["half", "ruler_vs_ref"] == pytest.approx(-0.375)  # (-0.5 - 0.25) / 2, stratified by task
+    assert got.loc["half", "ruler_vs_ref_verdict"] == "worse"
+    assert pd.isna(got.loc["other", "ruler_vs_ref"])

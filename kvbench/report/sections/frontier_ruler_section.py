@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pandas as pd
 
 from kvbench.report import study_figures
@@ -89,8 +88,7 @@ def frontier_ruler(got: Collection) -> tuple[list[Table], Figures]:
     d = d.assign(compressor=frontier_label(d))
     tasks, cells = d[d["family"] != "pooled"], d[d["family"] == "pooled"]
     cells = versus_reference(tasks, cells)
-    cells = cells.assign(stream_bits_per_element=numeric(cells, "bits_per_element"),
-                         eval_s_per_example=numeric(cells, "eval_s") / numeric(cells, "n_examples").replace(0, np.nan))
+    cells = cells.assign(stream_bits_per_element=numeric(cells, "bits_per_element"))
     cells = model_first(cells, "bits_per_element")
     best = rate_ranks(lowest_within(cells[~is_reference(cells)].assign(series=lambda x: x["compressor"]),
                                     verdict="ruler_vs_ref_verdict", passing=("no worse", "unresolved")))

@@ -67,8 +67,14 @@ def test_the_frontier_page_shows_each_cells_recall_minus_fp8s(tmp_path, tiny_cfg
     want = paired_difference(coder, ref, run_metrics, s["eval_documents"])
     assert d.loc["kivi", "recall_vs_ref"] == pytest.approx(want["diff"])
     assert d.loc["kivi", "recall_vs_ref_verdict"] == want["verdict"] and d.loc["fp8", "recall_vs_ref"] == 0.0
-    tables, _ = frontier(got)
+    tables, figures = frontier(got)
     assert any(t.title == "the long-range recall probe, every cell" for t in tables)
+    # the recall loss against bits drawn beside the NLL figure, with each cell's interval
+    model = got.table["model"].iloc[0]
+    fig, why = figures[f"frontier_recall_{model}"]
+    assert fig is not None, why
+    (ax,) = [a for a in fig.axes if a.get_ylabel().startswith("recall-probe")]
+    assert len(ax.get_lines()) >= 3
 
     ranked = next(t for t in tables if t.title.startswith("fewest stream bits per element whose recall loss"))
     # the reference is never its own answer; a coder is ranked exactly when its recall is shown no worse than FP8's

@@ -266,7 +266,10 @@ def _quality(df: pd.DataFrame) -> None:
     df["delta_nll_low"] = [lo for lo, _ in ci]
     df["delta_nll_high"] = [hi for _, hi in ci]
     df["delta_nll_ci_text"] = [interval_text(lo, hi, "+.4f") for lo, hi in ci]
-    df["delta_nll_recall_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in intervals("delta_nll_recall_ci")]
+    recall = intervals("delta_nll_recall_ci")
+    df["delta_nll_recall_low"] = [lo for lo, _ in recall]
+    df["delta_nll_recall_high"] = [hi for _, hi in recall]
+    df["delta_nll_recall_ci_text"] = [interval_text(lo, hi, "+.3f") for lo, hi in recall]
     base = numeric(df, "nll_base")
     df["nll_verdict"] = [verdict(c, NLL_TOLERANCE * b) if math.isfinite(b) else math.nan for c, b in zip(ci, base)]
     trace = df["trace"].astype(str).map(lambda t: Path(t).name) if "trace" in df else pd.Series("", index=df.index)

@@ -200,14 +200,25 @@ def end_to_end(lat: pd.DataFrame):
     return fig, ""
 
 
-def nll_vs_stream_bits(df: pd.DataFrame, title: str, reference: set[str] = frozenset()):
-    """Delta NLL with its paired 95% interval against the stream bits per element (the bitstreams alone; codec
-    parameters fitted on other text are the codec's), one curve per ``series``, the 1% NLL line; ``reference``
-    curves drawn lighter. A series whose rows carry ``exact_tokens`` names them in its legend entry."""
+#: the loss a frontier figure can plot: column -> its y label
+LOSSES = {"delta_nll": r"$\Delta$NLL (nats/token, held-out text), 95% CI",
+          "delta_nll_recall": r"recall-probe $\Delta$NLL (nats/token on the copy), 95% CI"}
+
+
+def nll_vs_stream_bits(df: pd.DataFrame, title: str, reference: set[str] = frozenset(), metric: str = "delta_nll"):
+    """A loss (``metric``: next-token delta NLL, or the recall probe's) with its paired 95% interval against the
+    stream bits per element (the bitstreams alone; codec parameters fitted on other text are the codec's), one curve
+    per ``series``, the 1% NLL line on the next-token loss; ``reference`` curves drawn lighter. A series whose rows
+    carry ``exact_tokens`` names them in its legend entry."""
+    if metric not in LOSSES:
+        raise ValueError(f"metric {metric!r}; one of {sorted(LOSSES)}")
     d = df.assign(x=pd.to_numeric(df.get("stream_bits_per_element"), errors="coerce")) if not df.empty else df
+    if metric != "delta_nll" and not d.empty:
+        d = d.assign(delta_nll=pd.to_numeric(d.get(metric), errors="coerce"), delta_nll_low=d.get(f"{metric}_low"),
+                     delta_nll_high=d.get(f"{metric}_high"), nll_base=np.nan)
     d = pl.finite(d, "x", "delta_nll")
     if d.empty:
-        return None, "no run has stream_bits_per_element and delta_nll"
+        return None, f"no run has stream_bits_per_element and {metric}"
     styles = series_styles(d["series"])
     with rc_context(STYLE):
         fig, (ax,) = pl.grid(1, w=5.6, h=3.8)
@@ -232,7 +243,7 @@ def nll_vs_stream_bits(df: pd.DataFrame, title: str, reference: set[str] = froze
         pl.log_if_spans(ax, "x", d["x"], base=2, span=4)
         pl.symlog_if_spans(ax, ys)
         ax.set_xlabel("stream bits per K/V element (16-bit cache = 16)")
-        ax.set_ylabel(r"$\Delta$NLL (nats/token, held-out text), 95% CI")
+        ax.set_ylabel(LOSSES[metric])
         ax.set_title(f"{title}: {_title(d)}" if _title(d) else title)
     pl.legend(fig, [ax])
     return fig, ""

@@ -97,6 +97,6 @@ def frontier_ruler(got: Collection) -> tuple[list[Table], Figures]:
               Table("frontier_ruler", best, BEST_COLUMNS,
                     "fewest bits per element whose RULER accuracy is not shown below FP8's, per coder and model",
                     RANK_NOTE.format(margin=RULER_MARGIN),
-                    empty="_every coded cell's RULER accuracy is shown below the FP8 cache's_\n")]
+                    empty="_no coded cell whose RULER accuracy is not shown below the FP8 cache's_\n")]
     figures = {f"frontier_ruler_{model}": study_figures.pooled_accuracy_vs_bits(g) for model, g in by_model(cells)}
     return tables, figures

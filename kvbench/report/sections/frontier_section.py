@@ -169,4 +169,9 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
                             empty="_every cell's recall loss is shown larger than the FP8 cache's_\n"))
     figures = {f"frontier_{model}": study_figures.nll_vs_stream_bits(g, "Frontier")
                for model, g in by_model(d)}
+    if "delta_nll_recall" in d and numeric(d, "delta_nll_recall").notna().any():
+        refs = set(d.loc[is_reference(d), "series"])
+        figures |= {f"frontier_recall_{model}": study_figures.nll_vs_stream_bits(g, "Recall probe", refs,
+                                                                                   "delta_nll_recall")
+                    for model, g in by_model(d)}
     return tables, figures

@@ -10,6 +10,7 @@ import math
 
 import pandas as pd
 
+from kvbench.measure.metrics.reference_diff import reference_verdict
 from kvbench.report import study_figures
 from kvbench.report.collect import Collection, interval_text, numeric
 from kvbench.report.sections.frontier_section import frontier_label, is_reference, lowest_within, rate_ranks
@@ -76,8 +77,8 @@ def versus_reference(tasks: pd.DataFrame, cells: pd.DataFrame, margin: float = R
         low, high = got["ci95_low"], got["ci95_high"]
         out["ruler_vs_ref"][i] = got["diff"]
         out["ruler_vs_ref_ci_text"][i] = interval_text(low, high, "+.3f")
-        out["ruler_vs_ref_verdict"][i] = ("no worse" if low >= -margin else "worse" if high < -margin
-                                          else "unresolved")
+        # accuracy is better higher: the loss relative to the reference is the difference negated
+        out["ruler_vs_ref_verdict"][i] = reference_verdict((-high, -low), margin)
     return cells.assign(**out)
 
 

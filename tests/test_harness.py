@@ -81,6 +81,9 @@ def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):
     # a Gaussian coder matched to these windows' covariance would need fewer bits for KIVI's error than KIVI spends
     assert 0 < summary["rd_bits_per_element"] < summary["stream_bits_per_element"]
     assert 0 < summary["rd_bits_per_element_pre_rope"] < summary["stream_bits_per_element"]
+    # KIVI weighs K's and V's error alike; K and V free to trade error at the same total need no more bits
+    assert summary["rd_key_weight"] == 1.0
+    assert 0 < summary["rd_bits_per_element_weighted"] <= summary["rd_bits_per_element_pre_rope"] * (1 + 1e-9)
     assert summary["compression_ratio"] == pytest.approx(16 * summary["n_elements"] / summary["total_bits"])
     assert summary["bits_per_token"] == pytest.approx(summary["total_bits"] / summary["n_tokens"])
     from omegaconf import OmegaConf
@@ -95,6 +98,14 @@ def test_kivi_summary_rows_and_files(tiny_cfg, tiny_handle):
     assert loaded["config"] == json.loads((run_dir / "config.json").read_text()) and loaded["kind"] == "run"
     df = pd.read_parquet(run_dir / "rows.parquet")
     assert len(df) == 2 * 2 and set(df["kind"]) == {"k", "v"}
+
+
+def test_a_fitted_coders_weighted_rate_takes_its_key_weight(tiny_cfg, tiny_handle):
+    cfg = tiny_cfg("+compressor=kvtc", "compressor.bits=2", "compressor.window=0",
+                   "compressor.key_weight=0.3")
+    summary, _ = measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    assert summary["rd_key_weight"] == pytest.approx(0.3)
+    assert 0 < summary["rd_bits_per_element_weighted"] <= summary["rd_bits_per_element_pre_rope"] * (1 + 1e-9)
 
 
 def test_trace_dtype_mismatch_is_refused(tiny_cfg, tiny_handle):

@@ -178,6 +178,9 @@ class Kvtc(Compressor):
     def label(self) -> str:
         return self.name if self.window else f"{self.name} (no window)"
 
+    def kind_weights(self) -> tuple[float, float]:
+        return (self.key_weight, 1.0)  # the DP's objective (kvtc_calibration.allocate)
+
     def exact_tokens(self, n_tokens: int) -> Kept:
         return Kept(self.sinks, self.window)
 

@@ -131,6 +131,11 @@ class Waterfill(Compressor):
         self._rotary: tuple[Any, Rotary] | None = None
         self._stats: dict[str, float] = {}
 
+    def kind_weights(self) -> tuple[float, float]:
+        # the kinds' weights of its objective; its per-token importance weights are not among them, so the weighted
+        # R(D) of a waterfill run prices every token alike
+        return (self.key_weight, 1.0)
+
     def exact_tokens(self, n_tokens: int) -> Kept:
         return Kept(self.sinks, 0)
 

@@ -114,6 +114,12 @@ class Compressor(abc.ABC):
         return {"family": self.family, "label": self.label(), "exact_tokens": self.exact_tokens(n_tokens).text(),
                 "always_kept": None if kept is None else kept.text(), "quality_reference": self.quality_reference}
 
+    def kind_weights(self) -> tuple[float, float]:
+        """The weights of the keys' and the values' relative squared error in the objective this coder's allocation
+        minimises (equal by default); the run's weighted Gaussian R(D) reference prices the error so
+        (:mod:`kvbench.measure.metrics.rate_distortion`)."""
+        return (1.0, 1.0)
+
     def next_token_model(self, model: Any) -> NextTokenModel | None:
         """For a coder whose encoder and decoder run ``model`` one token at a time (it codes ids under the model's
         next-token distribution): a fresh :class:`~kvbench.core.next_token.NextTokenModel` as the coder steps it,

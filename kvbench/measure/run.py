@@ -226,7 +226,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "rel_mse_v_all": dist_all.rel_mse("v"),
         "cosine_k_all": dist_all.cosine("k"),
         "cosine_v_all": dist_all.cosine("v"),
-        **rd_reference(kvs, dist, lossless, config if config is not None else _config_if_installed(handle)),
+        **rd_reference(kvs, dist, lossless, config if config is not None else _config_if_installed(handle),
+                       compressor.kind_weights()),
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
         **recall_loss(recall_base, recall_comp, cfg.metrics, source.fields.get("eval_documents"), recall_of),
         "nll_compressed_reused": reused,
@@ -264,14 +265,17 @@ def _config_if_installed(handle: ModelHandle) -> Any:
         return None
 
 
-def rd_reference(kvs: Sequence[KVSequence], dist: DistortionAccumulator, lossless: bool, config: Any) -> dict:
-    """The Gaussian rate–distortion rates at the run's relative MSEs (:mod:`kvbench.measure.metrics.rate_distortion`);
-    NaN for a lossless run (no finite rate reaches zero error) and for one that evicts (its relative MSE is over the
-    kept vectors only, and a dropped vector's cost is not squared error). Keys with RoPE undone need ``config``."""
+def rd_reference(kvs: Sequence[KVSequence], dist: DistortionAccumulator, lossless: bool, config: Any,
+                 weights: tuple[float, float] = (1.0, 1.0)) -> dict:
+    """The Gaussian rate–distortion rates at the run's relative MSEs (:mod:`kvbench.measure.metrics.rate_distortion`),
+    the weighted one with K's and V's error weighed by ``weights`` (the coder's own objective); NaN for a lossless
+    run (no finite rate reaches zero error) and for one that evicts (its relative MSE is over the kept vectors only,
+    and a dropped vector's cost is not squared error). Keys with RoPE undone need ``config``."""
     if lossless or dist.dropped_fraction("k") > 0 or dist.dropped_fraction("v") > 0:
-        return {"rd_bits_per_element": math.nan, "rd_bits_per_element_pre_rope": math.nan}
+        return {"rd_bits_per_element": math.nan, "rd_bits_per_element_pre_rope": math.nan,
+                "rd_bits_per_element_weighted": math.nan, "rd_key_weight": weights[0] / weights[1]}
     return gaussian_rd([kv.k for kv in kvs], [kv.v for kv in kvs], dist.rel_mse("k"), dist.rel_mse("v"),
-                       None if config is None else Rotary(config))
+                       None if config is None else Rotary(config), weights)
 
 
 def format_summary(s: dict) -> str:

@@ -70,6 +70,12 @@ CATALOGUE = {c.key: c for c in (
     # the Gaussian rate-distortion rate at the run's own relative MSEs (kvbench.measure.metrics.rate_distortion)
     _col("rd_bits_per_element", "Gaussian R(D) bits/elt", ".3f"),
     _col("rd_bits_per_element_pre_rope", "R(D) pre-RoPE", ".3f"),
+    # the same at the coder's own weighted objective, K and V free to trade error
+    _col("rd_bits_per_element_weighted", "R(D) weighted", ".3f"),
+    _col("rd_key_weight", "R(D) key weight", "g"),
+    _col("rd_gap_coder", "quantizer + entropy gap", ".3f"),
+    _col("rd_times", "x R(D)", ".2f"),
+    _col("rd_gap_split", "K/V split gap", ".3f"),
     _col("encode_MBps", "enc MB/s", ",.0f"),
     _col("decode_MBps", "dec MB/s", ",.0f"),
     _col("lossless", "lossless"),

@@ -16,6 +16,13 @@ evenly. Keys are taken as stored (after RoPE) and, where the model config is kno
 not change a token's squared error, so both reach the same relative MSE, and the pre-RoPE keys are what a coder with
 the config (KVTC, waterfill) codes. Layers are not coded jointly here (a covariance over all layers' elements has
 more dimensions than a run has tokens).
+
+The *weighted* rate prices the error as the coder's own allocation does (:meth:`kvbench.core.compressor.Compressor.kind_weights`:
+KVTC and waterfill minimise ``w_K·relMSE_K + w_V·relMSE_V``): every component's variance is scaled by its kind's
+weight over its kind's energy, and one water level over K and V together reaches the cell's weighted distortion.
+K and V may then trade error, so it is never above the unweighted rate; the gap from a cell's stream bits down to it
+is what the quantizer and entropy model lose against a Gaussian-matched coder minimising the same objective, and
+the step from it up to the unweighted rate is what the cell's own split of error between K and V costs.
 """
 
 from __future__ import annotations
@@ -65,23 +72,34 @@ def reverse_waterfill(eig: torch.Tensor, distortion: float) -> float:
     return float((0.5 * torch.log2(lam / theta)).clamp_min(0).sum())
 
 
+def weighted_reverse_waterfill(spectra: Sequence[tuple[torch.Tensor, float]], rel_mses: Sequence[float],
+                                weights: Sequence[float]) -> float:
+    """Bits per vector of the Gaussian components of several kinds (``spectra``: each kind's eigenvalues and its mean
+    energy per vector, as :func:`layer_spectra` gives them) at the weighted relative distortion
+    ``Σ weight·rel_mse``, each kind's error counted relative to its energy and weighted as the coder weighs it."""
+    lam = torch.cat([eig.double().flatten() * (w / energy) for (eig, energy), w in zip(spectra, weights, strict=True)])
+    return reverse_waterfill(lam, sum(w * r for w, r in zip(weights, rel_mses, strict=True)))
+
+
 def gaussian_rd(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], rel_mse_k: float, rel_mse_v: float,
-                rotary: Any = None) -> dict[str, float]:
+                rotary: Any = None, weights: tuple[float, float] = (1.0, 1.0)) -> dict[str, float]:
     """``rd_bits_per_element`` (keys as stored) and ``rd_bits_per_element_pre_rope`` (keys with RoPE undone by
     ``rotary``, a :class:`kvbench.core.rope.Rotary` of the model; NaN without one): the Gaussian rate–distortion
     rates over every K and V element of the windows ``ks``/``vs`` (each ``(L, H, T, D)``, starting at position 0) at
-    the given relative MSEs."""
+    the given relative MSEs; ``rd_bits_per_element_weighted``: the rate at the same weighted distortion
+    ``weights[0]·rel_mse_k + weights[1]·rel_mse_v`` with K and V free to trade error (keys with RoPE undone where
+    ``rotary`` is given, as stored otherwise)."""
     L, H, _, D = ks[0].shape
     per_token = 2 * L * H * D  # K and V elements of one token
-
-    def rate(xs: Sequence[torch.Tensor], rel: float) -> float:
-        eig, energy = layer_spectra(xs)
-        return reverse_waterfill(eig, rel * energy)
-
-    r_v = rate(vs, rel_mse_v)
-    out = {"rd_bits_per_element": (rate(ks, rel_mse_k) + r_v) / per_token}
+    spec_k, spec_v = layer_spectra(ks), layer_spectra(vs)
+    r_v = reverse_waterfill(spec_v[0], rel_mse_v * spec_v[1])
+    out = {"rd_bits_per_element": (reverse_waterfill(spec_k[0], rel_mse_k * spec_k[1]) + r_v) / per_token}
     pre = math.nan
     if rotary is not None:
-        pre = (rate([rotary.undo(k, 0) for k in ks], rel_mse_k) + r_v) / per_token
+        spec_k = layer_spectra([rotary.undo(k, 0) for k in ks])
+        pre = (reverse_waterfill(spec_k[0], rel_mse_k * spec_k[1]) + r_v) / per_token
     out["rd_bits_per_element_pre_rope"] = pre
+    out["rd_bits_per_element_weighted"] = weighted_reverse_waterfill([spec_k, spec_v], [rel_mse_k, rel_mse_v],
+                                                                     weights) / per_token
+    out["rd_key_weight"] = weights[0] / weights[1]
     return out

@@ -17,7 +17,8 @@ from kvbench.report.tables import pick
 FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                         "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio",
                         "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rel_mse_k", "rel_mse_v",
-                        "rd_bits_per_element", "rd_bits_per_element_pre_rope", "measure_s", "load_average_1min")
+                        "rd_bits_per_element", "rd_bits_per_element_pre_rope", "rd_bits_per_element_weighted",
+                        "rd_key_weight", "measure_s", "load_average_1min")
 FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",
@@ -48,6 +49,10 @@ RD_NOTE = ("Gaussian R(D): the bits per element reverse water-filling over each 
            "windows', keys as stored, and with RoPE undone) needs for the cell's own relative MSE of K and V, the rate "
            "a coder matched to second-order statistics reaches that error with (blank for a cell that evicts or is "
            "exact).")
+RD_WEIGHTED_NOTE = ("R(D) weighted: the same windows' rate at the cell's error priced as its coder's allocation prices "
+                    "it (keys' relative error times the key weight, plus the values'), K and V free to trade error "
+                    "under one water level: stream bits minus it is what the quantizer and entropy model lose; it up to "
+                    "R(D) pre-RoPE, what the cell's own split of error between K and V costs.")
 
 
 def exact_tokens(d: pd.DataFrame) -> pd.Series:
@@ -143,7 +148,9 @@ def frontier(got: Collection) -> tuple[list[Table], Figures]:
     d = model_first(d.assign(compressor=d["series"]))
     best = rate_ranks(lowest_within(d))
     # runs from before the reference was measured show no column, so no note for it
-    rd_note = RD_NOTE if "rd_bits_per_element" in d and numeric(d, "rd_bits_per_element").notna().any() else ""
+    rd_note = " ".join(note for key, note in (("rd_bits_per_element", RD_NOTE),
+                                              ("rd_bits_per_element_weighted", RD_WEIGHTED_NOTE))
+                       if key in d and numeric(d, key).notna().any())
     tables = [Table("frontier", d, FRONTIER_COLUMNS, "every cell", f"{trace_notes(d)} {RATE_NOTE} {rd_note} {CELL_NOTE}".strip(), csv=True),
               Table("frontier", best, FRONTIER_BEST_COLUMNS,
                     "fewest stream bits per element within 1% NLL, per coder and model",

@@ -294,7 +294,8 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
              decode_MBps=150.0, encode_s=4.0, decode_s=2.0 + i, dtype="float16", trace="/t/smollm2-sotu-aaaa",
              side_info_bits=1000 * i, bits_by_part={"codes": 7e7, "frame": 2e3}, stream_bits_per_element=bits - 0.1,
              codec_bits=1000 * i, delta_nll_ci=[0.01 * (i % 5) - 0.005, 0.01 * (i % 5) + 0.005],
-             compressor_facts=compressor.facts(n_tok // 4))
+             rd_bits_per_element=1.25, rd_bits_per_element_pre_rope=1.0, rd_bits_per_element_weighted=0.75,
+             rd_key_weight=0.25, compressor_facts=compressor.facts(n_tok // 4))
     if "keep" in params:  # eviction: the kept positions' bits
         s.update(compressor_stats={"positions_bits": 1e6}, n_elements=n_tok * 11520)
     if s["compressor"] in ("delta", "speculative"):  # residual coders: where their bits go
@@ -375,6 +376,11 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert md["ruler"].count("## ") == 3 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
     assert "## The cells" in md["ruler"]
     assert md["frontier_ruler"].count("## ") == 2, md["frontier_ruler"]
+    # the weighted R(D) table: every cell, stream bits minus the weighted rate, their ratio, and the split's cost
+    assert len(_rows(md["frontier_rd"])) == 1 + 12, md["frontier_rd"]  # its header, then a row per cell
+    assert "| quantizer + entropy gap | x R(D) | K/V split gap |" in md["frontier_rd"]
+    # stream 0.9, weighted 0.75, per kind pre-RoPE 1.0: a gap of 0.15 (1.2 times the rate) and 0.25 for the split
+    assert "| 0.900 | 1.000 | 0.25 | 0.750 | 0.150 | 1.20 | 0.250 |" in md["frontier_rd"]
     assert "| smollm2_135m | ruler_vt | 1024 | 30 | 0.500 |" in md["ruler"]
     assert "| smollm2_135m | snapkv + turboquant 3-bit | 0.5 | 64 last | turboquant 3-bit |" in md["eviction"]
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]

@@ -278,12 +278,13 @@ def accuracy_vs_bits(d: pd.DataFrame):
 
 def pooled_accuracy_vs_bits(cells: pd.DataFrame):
     """RULER accuracy pooled over the families clear of chance against bits per element held, one line per coder
-    family (its cells at several budgets joined), each point with the 95% interval of its paired change around it;
+    family (its cells at several budgets joined; a ``series`` column, where given, names the lines instead, so that
+    variants of one coder are lines of their own), each point with the 95% interval of its paired change around it;
     eviction methods are points at their byte cost. The 16-bit baseline as a dashed line."""
     d = pl.finite(cells, "acc_comp", "bits_per_element")
     if d.empty:
         return None, "no pooled RULER rows with bits per element"
-    family = d["compressor"].astype(str).str.split(" ").str[0]
+    family = d["series"].astype(str) if "series" in d else d["compressor"].astype(str).str.split(" ").str[0]
     styles = series_styles(family)
     with rc_context(STYLE):
         fig = Figure(figsize=(5.0, 3.4))

@@ -99,5 +99,7 @@ def frontier_ruler(got: Collection) -> tuple[list[Table], Figures]:
                     "fewest bits per element whose RULER accuracy is not shown below FP8's, per coder and model",
                     RANK_NOTE.format(margin=RULER_MARGIN),
                     empty="_no coded cell whose RULER accuracy is not shown below the FP8 cache's_\n")]
-    figures = {f"frontier_ruler_{model}": study_figures.pooled_accuracy_vs_bits(g) for model, g in by_model(cells)}
+    # a line per curve of the frontier (KVTC with and without its window apart), as its tables name them
+    figures = {f"frontier_ruler_{model}": study_figures.pooled_accuracy_vs_bits(g.assign(series=g["compressor"]))
+               for model, g in by_model(cells)}
     return tables, figures

@@ -154,10 +154,10 @@ def test_the_cells_reproduce_takes_of_a_study_are_its_cells_one_a_pattern():
                 assert cell.cfg.model.name == m, pattern
                 taken[(s.name, m, pattern)] = cell.key
     # 15 frontier cells on SmolLM2 (KVTC without its window and waterfill at 1.25 bits there alone), 12 on gemma; 4
-    # eviction and 3 RULER cells on each; the frontier's RULER axis: each coder's best point and FP8 (9 on SmolLM2,
-    # with KVTC without its window and StreamingLLM, 8 on gemma)
+    # eviction and 3 RULER cells on each; the frontier's RULER axis: each coder's best point and FP8 (10 on SmolLM2,
+    # with KVTC with and without its window and StreamingLLM, 8 on gemma)
     per = {(st, m): sum(1 for k in taken if k[:2] == (st, m)) for st, m, _ in taken}
     assert per == {("frontier", "smollm2_135m"): 15, ("frontier", "gemma3_270m"): 12, ("eviction", "smollm2_135m"): 4,
                    ("eviction", "gemma3_270m"): 4, ("ruler", "smollm2_135m"): 3, ("ruler", "gemma3_270m"): 3,
-                   ("frontier_ruler", "smollm2_135m"): 9, ("frontier_ruler", "gemma3_270m"): 8}
+                   ("frontier_ruler", "smollm2_135m"): 10, ("frontier_ruler", "gemma3_270m"): 8}
     assert len(set(taken.values())) == len(taken)

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pandas as pd
 
 from kvbench.report.collect import Collection, numeric
-from kvbench.report.sections.frontier_section import exact_tokens, frontier_label, recall_vs_reference
+from kvbench.report.sections.frontier_section import (
+    RD_NOTE,
+    RD_WEIGHTED_NOTE,
+    exact_tokens,
+    frontier_label,
+    recall_vs_reference,
+)
 from kvbench.report.sections.per_model import model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
@@ -18,15 +24,10 @@ COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", 
                "rd_times", "rd_gap_split", "rel_mse_k", "rel_mse_v", "delta_nll", "delta_nll_ci_text", "nll_verdict",
                "delta_nll_recall", "delta_nll_recall_ci_text", "recall_vs_ref", "recall_vs_ref_ci_text",
                "recall_vs_ref_verdict", "eval_documents_n")
-NOTE = ("R(D) pre-RoPE: the bits per element reverse water-filling over each layer's covariance (the coded windows', "
-        "keys with RoPE undone) needs for the cell's own relative MSE of K and of V; R(D) weighted: the rate at the "
-        "cell's error priced as its coder's allocation prices it (the keys' relative error times the key weight, plus "
-        "the values'), K and V free to trade error under one water level; quantizer + entropy gap: stream bits minus "
-        "R(D) weighted, what the coder's quantizers and entropy model spend over a Gaussian-matched coder minimising "
-        "the same objective (x R(D): their ratio); K/V split gap: R(D) pre-RoPE minus R(D) weighted, what the cell's "
-        "own split of error between K and V costs against the best split at the same weighted error. A coder that "
-        "also weighs tokens (by their attention) is priced here as if every token counted alike. dNLL and recall "
-        "as on the frontier table; minus FP8's: the recall loss minus the FP8 row's on the same windows.")
+NOTE = (f"{RD_NOTE} {RD_WEIGHTED_NOTE} Quantizer + entropy gap: stream bits minus R(D) weighted (x R(D): their "
+        "ratio); K/V split gap: R(D) pre-RoPE minus R(D) weighted. A coder that also weighs tokens (by their attention) "
+        "is priced here as if every token counted alike. dNLL and recall as on the frontier table; minus FP8's: the "
+        "recall loss minus the FP8 row's on the same windows.")
 
 
 def gaps(d: pd.DataFrame) -> pd.DataFrame:

@@ -58,10 +58,11 @@ def test_water_level_spends_at_most_the_budget_and_more_weight_gets_more_bits():
             assert saved <= lam * (1 + 1e-6)
 
 
-@pytest.mark.parametrize("importance", ["attention", "uniform"])
-def test_roundtrip_rate_and_decoder_from_bytes(trace, importance):
+@pytest.mark.parametrize(("importance", "distortion"), [("attention", "energy"), ("uniform", "energy"),
+                                                        ("all", "query"), ("attention", "query_output")])
+def test_roundtrip_rate_and_decoder_from_bytes(trace, importance, distortion):
     model, calib, kv = trace
-    comp = _fitted(model, calib, bits=1.0, importance=importance, obs_window=16)
+    comp = _fitted(model, calib, bits=1.0, importance=importance, distortion=distortion, obs_window=16)
     bs, out = _roundtrip(comp, model, kv)
     assert out.shape == kv.shape and out.k.dtype == kv.k.dtype
     assert torch.equal(out.k[:, :, :4], kv.k[:, :, :4]) and torch.equal(out.v[:, :, :4], kv.v[:, :, :4])
@@ -117,6 +118,7 @@ def test_corruption_and_wrong_shapes_are_refused(trace):
     ("bits", "one", r"waterfill\.bits='one' must be a number"),
     ("tiers", 0, r"waterfill\.tiers=0 is out of range"),
     ("importance", "norm", r"waterfill\.importance='norm' is not allowed"),
+    ("distortion", "mse", r"waterfill\.distortion='mse' is not allowed"),
     ("kernel", 4, r"waterfill\.kernel=4 must be odd"),
     ("power", -1, r"waterfill\.power=-1 is out of range"),
 ])

@@ -13,6 +13,9 @@ quantization by reverse water-filling) puts them on one scale, where dropping a 
    pay each key (recomputed with the model, as SnapKV does; averaged over the query heads, max-pooled over ``kernel``
    neighbours), divided by its mean over the layer's coded tokens; ``uniform`` gives every token the same weight.
    The observation window's own tokens, which only its later queries see, take the layer's highest importance.
+   ``all`` scores a key instead by the mean attention it receives from every query of the context that sees it
+   (H2O's accumulated attention, Zhang et al., arXiv 2306.14048, over the queries that could pay it), so that a
+   passage the context's tail does not read still counts by how the context read it.
 3. **Tiers**: each layer's coded tokens are ranked by importance and split into ``tiers`` classes of halving size
    (the bottom half, the next quarter, ..., the top two alike); a tier's weight is the mean of its tokens'
    ``importance ** power``.
@@ -22,6 +25,9 @@ quantization by reverse water-filling) puts them on one scale, where dropping a 
    water-filling over a discrete set of widths: a component whose weighted distortion lies below the water level
    gets no bits. A tier that gets no bits in any K or V component of a layer is dropped from that layer: its
    entries are hidden from attention (``kept``), as an eviction method's are.
+   With ``distortion`` ``query`` (or ``query_output``) each key component's distortion is first scaled by what
+   the sequence's queries see of it (and each value component's by what ``o_proj`` passes on):
+   :mod:`compressors.transform.waterfill_metric`; the scales are sent, float16 per layer and component.
 5. **Coding**: the tier of every (layer, token) is range-coded under the tiers' fixed shares; the tiers' weights
    (float16) and ``λ`` (float32) are sent, and the decoder recomputes the same widths from them and the codec state
    (which holds the distortion table). Coefficients are quantized and range-coded per width under calibration
@@ -39,15 +45,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from compressors.eviction.query_attention import attention_sums, capture_queries
+from compressors.eviction.query_attention import Queries, attention_sums, capture_queries
 from compressors.transform.kvtc_calibration import (
-    FREQ_BITS,
     MAX_WIDTH,
     analyse,
     calibration_keys,
@@ -57,33 +62,18 @@ from compressors.transform.kvtc_calibration import (
     uncolumns,
 )
 from compressors.transform.waterfill_allocation import assign_tiers, tier_probs, water_level, widths_at
-from kvbench.coding.bitstream import Bitstream, BitstreamError, read_varints, varints
+from compressors.transform.waterfill_metric import output_metric, quadratic_forms, query_metric, relative
+from compressors.transform.waterfill_state import KINDS, State, kind_sections, parse_state
+from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.entropy import StreamDecoder, StreamEncoder
-from kvbench.coding.packing import pack_codes, tensor_from_bytes, tensor_to_bytes, unpack_codes
+from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_choice, check_range
 from kvbench.core.compressor import Compressor, Kept, Section
 from kvbench.core.kv import Context, KVSequence
 from kvbench.core.rope import Rotary
 
-KINDS = ("k", "v")
-IMPORTANCE = ("attention", "uniform")
-
-
-@dataclass
-class _State:
-    """What both sides hold, parsed from the state bytes: per kind the mean, basis, scales and distortion table."""
-
-    mean: dict[str, torch.Tensor]  # kind -> (U, d) float32
-    basis: dict[str, torch.Tensor]  # kind -> (U, d, r) float32
-    sigma: dict[str, np.ndarray]  # kind -> (U, r) float64, 0 for dead components
-    dist: np.ndarray  # (U, C, W + 1) float64 weighted relative distortion, K's components then V's
-    steps: dict[str, np.ndarray]  # kind -> (W,) normalized steps Δ_w
-    probs: dict[str, dict[int, np.ndarray]]  # kind -> width -> normalized histogram of the offset symbols
-
-    def split(self, widths: np.ndarray) -> dict[str, np.ndarray]:
-        """``(..., C)`` -> per kind ``(..., r_kind)``."""
-        r_k = self.sigma["k"].shape[1]
-        return {"k": widths[..., :r_k], "v": widths[..., r_k:]}
+IMPORTANCE = ("attention", "all", "uniform")
+DISTORTION = ("energy", "query", "query_output")
 
 
 @dataclass
@@ -94,6 +84,7 @@ class Waterfill(Compressor):
     bits: float = 1.0
     tiers: int = 6
     importance: str = "attention"
+    distortion: str = "energy"
     obs_window: int = 32
     kernel: int = 5
     power: float = 0.5
@@ -113,6 +104,7 @@ class Waterfill(Compressor):
         check_range("waterfill", "bits", self.bits, 1e-3, MAX_WIDTH)
         check_range("waterfill", "tiers", self.tiers, 1, 16, integer=True)
         check_choice("waterfill", "importance", self.importance, IMPORTANCE)
+        check_choice("waterfill", "distortion", self.distortion, DISTORTION)
         check_range("waterfill", "obs_window", self.obs_window, 1, 1 << 20, integer=True)
         check_range("waterfill", "kernel", self.kernel, 1, 1 << 10, integer=True)
         if self.kernel % 2 == 0:
@@ -127,7 +119,7 @@ class Waterfill(Compressor):
         self.tiers, self.obs_window, self.kernel, self.sinks = (int(self.tiers), int(self.obs_window),
                                                                 int(self.kernel), int(self.sinks))
         self._state_sections: dict[str, Section] = {}
-        self._st: _State | None = None
+        self._st: State | None = None
         self._rotary: tuple[Any, Rotary] | None = None
         self._stats: dict[str, float] = {}
 
@@ -175,7 +167,7 @@ class Waterfill(Compressor):
             f = analyse(x, "layer", None)
             weight = (self.key_weight if kind == "k" else 1.0) / f.energy
             dists.append(f.dist * weight)  # (L, r, W + 1)
-            sections.update(_kind_sections(kind, f))
+            sections.update(kind_sections(kind, f))
         # the table the allocation reads, as both sides will hold it (float16, relative to the largest entry)
         dist = np.concatenate(dists, axis=1)  # (L, C, W + 1)
         scale = float(dist.max()) or 1.0
@@ -197,7 +189,7 @@ class Waterfill(Compressor):
             return
         raw = raw_sections(sections)
         try:
-            self._st = _parse_state(raw)
+            self._st = parse_state(raw)
         except ValueError as e:
             if isinstance(e, BitstreamError):
                 raise
@@ -206,7 +198,7 @@ class Waterfill(Compressor):
 
     # ---- allocation -----------------------------------------------------------------------------------------------
 
-    def _check(self, ctx: Context) -> _State:
+    def _check(self, ctx: Context) -> State:
         if self._st is None:
             raise ValueError("waterfill has no fitted state: call fit(calib) on the encoder, or load_state() its "
                              "state bytes (kvbench.core.codec.decoder_for) on a decoder")
@@ -243,22 +235,50 @@ class Waterfill(Compressor):
                              f"{fixed_bits / n_el:.4f} bits per element before any coefficient; the smallest budget "
                              f"possible here is waterfill.bits={least:g} (or fewer sinks, or a longer context)")
 
-    def _importance(self, kv: KVSequence, ctx: Context, n_sink: int) -> torch.Tensor:
+    def _queries(self, kv: KVSequence, ctx: Context) -> Queries | None:
+        """The queries the encoder recomputes: every token's where the importance or the distortion reads them
+        all, else the observation window's; None where neither reads any."""
+        T = kv.n_tokens
+        if self.importance == "all" or self.distortion != "energy":
+            return capture_queries(self.name, kv, ctx, 0)
+        return None if self.importance == "uniform" else capture_queries(self.name, kv, ctx, T - min(self.obs_window, T - 1))
+
+    def _importance(self, kv: KVSequence, qs: Queries | None, n_sink: int) -> torch.Tensor:
         """``(L, n)`` importance of the coded tokens (mean 1 per layer)."""
         L, H, T, _ = kv.shape
-        n = T - n_sink
-        if self.importance == "uniform":
-            return torch.ones(L, n, dtype=torch.float64)
-        w = min(self.obs_window, T - 1)
-        qs = capture_queries(self.name, kv, ctx, T - w)
-        attn = attention_sums(qs, kv.k).mean(dim=1)  # (L, T) mean over the query heads
+        if self.importance == "uniform" or qs is None:
+            return torch.ones(L, T - n_sink, dtype=torch.float64)
+        if self.importance == "all":  # the mean attention a key receives from the queries that see it, as H2O sums it
+            seen_by = torch.arange(T, 0, -1, dtype=torch.float64)  # (T,) causal; sliding layers' windows not counted
+            attn = attention_sums(qs, kv.k).mean(dim=1).double() / seen_by  # (L, T)
+        else:
+            w = min(self.obs_window, T - 1)
+            tail = qs if qs.first == T - w else replace(qs, q=qs.q[:, :, T - w - qs.first:],
+                                                       q_pre=qs.q_pre[:, :, T - w - qs.first:], first=T - w)
+            attn = attention_sums(tail, kv.k).mean(dim=1)  # (L, T) mean over the query heads
         pooled = torch.nn.functional.max_pool1d(attn[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
-        pooled[:, T - w :] = pooled.max(dim=1, keepdim=True).values  # the window's own keys: seen by few queries
+        if self.importance == "attention":  # the window's own keys: seen by few queries
+            w = min(self.obs_window, T - 1)
+            pooled[:, T - w :] = pooled.max(dim=1, keepdim=True).values
         a = pooled[:, n_sink:].double()  # (L, n)
         return a / a.mean(dim=1, keepdim=True).clamp_min(1e-30)
 
-    def _allocation(self, st: _State, weights: np.ndarray, lam: float) -> np.ndarray:
-        return widths_at(st.dist, weights.astype(np.float64), float(lam))  # (U, G, C)
+    def _scales(self, st: State, kv: KVSequence, qs: Queries | None, ctx: Context) -> np.ndarray | None:
+        """``(L, C)`` float16 scales of the distortion table by what a later query sees
+        (:mod:`compressors.transform.waterfill_metric`), or None for the calibrated table as it is."""
+        if self.distortion == "energy" or qs is None:
+            return None
+        L, H, _, D = kv.shape
+        g_k = quadratic_forms(query_metric(qs.q_pre, self._rotary_for(ctx.config), H), st.basis["k"])
+        g_v = (quadratic_forms(output_metric(ctx.model, H, D), st.basis["v"]) if self.distortion == "query_output"
+               else torch.ones(st.sigma["v"].shape, dtype=torch.float64))
+        scales = torch.cat([relative(g_k, st.sigma["k"]), relative(g_v, st.sigma["v"])], dim=1)  # (L, C)
+        return scales.clamp(0, 6e4).numpy().astype(np.float16)
+
+    @staticmethod
+    def _dist(st: State, scales: np.ndarray | None) -> np.ndarray:
+        """The table the allocation reads: the calibrated one, scaled per component as sent."""
+        return st.dist if scales is None else st.dist * scales.astype(np.float64)[:, :, None]
 
     # ---- coding -------------------------------------------------------------------------------------------------
 
@@ -271,15 +291,20 @@ class Waterfill(Compressor):
             "exact": tensor_to_bytes(kv.k[:, :, :n_sink]) + tensor_to_bytes(kv.v[:, :, :n_sink])}
         if n == 0:
             return Bitstream.pack(self.name, sections)
-        a = self._importance(kv, ctx, n_sink)  # (L, n)
+        qs = self._queries(kv, ctx)
+        a = self._importance(kv, qs, n_sink)  # (L, n)
+        scales = self._scales(st, kv, qs, ctx)
+        dist = self._dist(st, scales)  # (L, C, W + 1)
         tier = assign_tiers(a, self.tiers)  # (L, n)
         powered = a.numpy() ** self.power
         counts = np.stack([(tier == g).sum(axis=1) for g in range(self.tiers)], axis=1)  # (L, G)
         sums = np.stack([np.where(tier == g, powered, 0.0).sum(axis=1) for g in range(self.tiers)], axis=1)
         weights = (sums / np.maximum(counts, 1)).astype(np.float16)  # (L, G) as sent
-        lam = water_level(st.dist, weights.astype(np.float64), counts, self._budget(ctx, n_sink))
-        widths = self._allocation(st, weights, lam)  # (L, G, C)
+        lam = water_level(dist, weights.astype(np.float64), counts, self._budget(ctx, n_sink))
+        widths = widths_at(dist, weights.astype(np.float64), float(lam))  # (L, G, C)
         sections["alloc"] = weights.tobytes() + lam.astype("<f4").tobytes()
+        if scales is not None:
+            sections["scales"] = scales.tobytes()
         enc = StreamEncoder()
         enc.categorical(tier.reshape(-1), tier_probs(n, self.tiers))
         sections["tiers"] = enc.finish()
@@ -322,7 +347,16 @@ class Waterfill(Compressor):
         lam = np.frombuffer(alloc[-4:], dtype="<f4")[0]
         if not (np.isfinite(weights).all() and (weights >= 0).all() and np.isfinite(lam) and lam > 0):
             raise BitstreamError("waterfill bitstream: tier weights or water level out of range")
-        widths = self._allocation(st, weights, lam)  # (L, G, C)
+        scales = None
+        if self.distortion != "energy":
+            raw_scales = sec.get("scales", b"")
+            if len(raw_scales) != 2 * st.dist.shape[0] * st.dist.shape[1]:
+                raise BitstreamError(f"waterfill bitstream: scales holds {len(raw_scales)} bytes, not {L} x "
+                                     f"{st.dist.shape[1]} float16 component scales (distortion={self.distortion})")
+            scales = np.frombuffer(raw_scales, dtype=np.float16).reshape(L, -1)
+            if not (np.isfinite(scales).all() and (scales >= 0).all()):
+                raise BitstreamError("waterfill bitstream: component scales out of range")
+        widths = widths_at(self._dist(st, scales), weights.astype(np.float64), float(lam))  # (L, G, C)
         dec = StreamDecoder(sec["tiers"])
         tier = dec.categorical(L * n, tier_probs(n, self.tiers)).astype(np.int64).reshape(L, n)
         dec.finish("waterfill tiers")
@@ -356,7 +390,7 @@ def _kept_tokens(widths: np.ndarray, tier: np.ndarray) -> np.ndarray:
     return ~np.take_along_axis(widths.sum(axis=2) == 0, tier, axis=1)
 
 
-def _code(coef: np.ndarray, per_entry: np.ndarray, st: _State, kind: str) -> Section:
+def _code(coef: np.ndarray, per_entry: np.ndarray, st: State, kind: str) -> Section:
     """Quantize ``coef`` ``(U, r, n)`` at each entry's width and range-code the symbols, one batch per width."""
     sigma, steps, probs = st.sigma[kind], st.steps[kind], st.probs[kind]
     enc = StreamEncoder()
@@ -372,7 +406,7 @@ def _code(coef: np.ndarray, per_entry: np.ndarray, st: _State, kind: str) -> Sec
     return enc.finish()
 
 
-def _decode_coef(raw: bytes, per_entry: np.ndarray, st: _State, kind: str) -> np.ndarray:
+def _decode_coef(raw: bytes, per_entry: np.ndarray, st: State, kind: str) -> np.ndarray:
     """The dequantized coefficients ``(U, r, n)`` float32 (bin centres; 0 where the width is 0)."""
     sigma, steps, probs = st.sigma[kind], st.steps[kind], st.probs[kind]
     coef = np.zeros(per_entry.shape, dtype=np.float32)
@@ -387,57 +421,3 @@ def _decode_coef(raw: bytes, per_entry: np.ndarray, st: _State, kind: str) -> np
         coef[sel] = (dec.categorical(count, probs[w]).astype(np.float32) - half) * step[sel]
     dec.finish(f"waterfill {kind}.codes")
     return coef
-
-
-# ---- state sections ---------------------------------------------------------------------------------------------
-
-
-def _kind_sections(kind: str, f: Any) -> dict[str, Section]:
-    """One kind's state: dims, mean, the full basis, the scales, the steps and a histogram per width over every live
-    component's calibration symbols."""
-    U, d = f.mean.shape
-    r = f.basis.shape[2]
-    live = f.sigma > 0
-    freqs = []
-    for w in range(1, MAX_WIDTH + 1):
-        half = half_range(f.steps[w - 1])
-        q = np.clip(np.rint(f.coef[live] / (f.sigma[live][:, None] * f.steps[w - 1])), -half, half).astype(np.int64)
-        counts = np.bincount((q + half).reshape(-1), minlength=2 * half + 1)
-        spare = (1 << FREQ_BITS) - (2 * half + 1)  # every symbol keeps frequency >= 1: codable if unseen
-        freqs.append(np.floor(counts / counts.sum() * spare).astype(np.int64) + 1)
-    return {
-        f"{kind}.dims": varints([U, d, r]),
-        f"{kind}.mean": tensor_to_bytes(f.mean),
-        f"{kind}.basis": tensor_to_bytes(f.basis.contiguous()),
-        f"{kind}.sigma": tensor_to_bytes(torch.from_numpy(f.sigma).to(torch.float16)),
-        f"{kind}.steps": tensor_to_bytes(torch.from_numpy(f.steps).float()),
-        f"{kind}.freqs": pack_codes(torch.from_numpy(np.concatenate(freqs)), FREQ_BITS),
-    }
-
-
-def _parse_state(raw: Mapping[str, bytes]) -> _State:
-    def sec(name: str) -> bytes:
-        if name not in raw:
-            raise BitstreamError(f"waterfill state has no section {name!r} (written by another version?)")
-        return bytes(raw[name])
-
-    mean, basis, sigma, steps, probs = {}, {}, {}, {}, {}
-    for kind in KINDS:
-        (U, d, r), _ = read_varints(sec(f"{kind}.dims"), 3)
-        mean[kind] = tensor_from_bytes(sec(f"{kind}.mean"), torch.float16, (U, d)).float()
-        basis[kind] = tensor_from_bytes(sec(f"{kind}.basis"), torch.float16, (U, d, r)).float()
-        sigma[kind] = tensor_from_bytes(sec(f"{kind}.sigma"), torch.float16, (U, r)).double().numpy()
-        steps[kind] = tensor_from_bytes(sec(f"{kind}.steps"), torch.float32, (MAX_WIDTH,)).double().numpy()
-        sizes = [2 * half_range(s) + 1 for s in steps[kind]]
-        flat = unpack_codes(sec(f"{kind}.freqs"), FREQ_BITS, sum(sizes)).numpy().astype(np.float64)
-        if (flat == 0).any():
-            raise BitstreamError(f"waterfill state: a {kind} histogram has a zero frequency")
-        probs[kind] = {w + 1: p / p.sum() for w, p in enumerate(np.split(flat, np.cumsum(sizes)[:-1]))}
-    r_k, r_v = sigma["k"].shape[1], sigma["v"].shape[1]
-    if mean["k"].shape != mean["v"].shape:
-        raise BitstreamError("waterfill state: K and V were fitted on different shapes")
-    U = mean["k"].shape[0]
-    dist = tensor_from_bytes(sec("dist"), torch.float16, (U, r_k + r_v, MAX_WIDTH + 1)).double().numpy()
-    if not np.isfinite(dist).all():
-        raise BitstreamError("waterfill state: the distortion table is not finite")
-    return _State(mean, basis, sigma, dist, steps, probs)

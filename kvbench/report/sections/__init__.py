@@ -9,7 +9,7 @@ from __future__ import annotations
 from kvbench.report.sections.accuracy_section import accuracy_study
 from kvbench.report.sections.decode_section import decode
 from kvbench.report.sections.defaults_section import defaults
-from kvbench.report.sections.dev_split_section import dev_split
+from kvbench.report.sections.dev_split_section import dev_recall, dev_split
 from kvbench.report.sections.end_to_end_section import end_to_end
 from kvbench.report.sections.eviction_section import eviction
 from kvbench.report.sections.frontier_rd_section import frontier_rd
@@ -33,7 +33,7 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
             "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd,
-            "eviction": eviction, "dev_split": dev_split, "defaults": defaults, "decode": decode,
+            "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
             "stepcost": stepcost, "reliability": reliability}
 #: sections with no study: they show every run under the report's dirs
 ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability")

@@ -78,3 +78,14 @@ def _defaults(dev: pd.DataFrame, score: pd.Series) -> list[str]:
 def dev_split(got: Collection) -> tuple[list[Table], Figures]:
     return [Table("dev_split", dev_choice(got.table), DEV_COLUMNS, "candidates on the development split", DEV_NOTE,
                   empty="_no run on the development split (dataset.split=dev)_\n", csv=True)], {}
+
+
+RECALL_NOTE = ("Candidates for the recall goal on the development split: a coder at 2 stream bits per element (a quarter of "
+               "the FP8 cache's) whose recall-probe loss is no larger than FP8's, measured here on the same 16 "
+               "development windows as the FP8 row. The rule above chooses among a coder's candidates; a candidate "
+               "whose recall loss stays above FP8's on these windows does not go on to the test windows.")
+
+
+def dev_recall(got: Collection) -> tuple[list[Table], Figures]:
+    return [Table("dev_recall", dev_choice(got.table), DEV_COLUMNS, "the recall goal's candidates on the development "
+                  "split", RECALL_NOTE, empty="_no run on the development split (dataset.split=dev)_\n", csv=True)], {}

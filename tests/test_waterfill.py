@@ -125,3 +125,10 @@ def test_corruption_and_wrong_shapes_are_refused(trace):
 def test_bad_fields_say_what_is_allowed(field, value, match):
     with pytest.raises(ValueError, match=match):
         Waterfill(**{field: value})
+
+
+def test_the_distortion_field_keys_runs_from_before_it_as_the_same_cell():
+    # runs published before the field existed were measured at distortion=energy and keyed without it
+    assert "distortion" not in Waterfill().keyed() and Waterfill().describe()["distortion"] == "energy"
+    assert Waterfill(distortion="query").keyed()["distortion"] == "query"
+    assert {k: v for k, v in Waterfill().describe().items() if k != "distortion"} == Waterfill().keyed()

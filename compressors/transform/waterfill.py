@@ -97,6 +97,7 @@ class Waterfill(Compressor):
     tuned: ClassVar[tuple[str, ...]] = ("key_weight", "obs_window", "power", "tiers")
     needs_config: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True  # the encoder recomputes queries; the decoder runs no model
+    added_later: ClassVar[Mapping[str, Any]] = {"distortion": "energy"}
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):

@@ -66,6 +66,9 @@ class Compressor(abc.ABC):
     #: there; 0 where that configuration is exact. The contract suite asserts it, so a decoder that returns zeros
     #: (relative MSE 1) fails. None: not declared, which the structure tests refuse for a registered compressor
     max_rel_mse: ClassVar[float | None] = None
+    #: fields added after runs of the class were published, each with the value those runs had without naming it: a
+    #: run's cell key leaves the field out at that value (:meth:`keyed`), so the field does not orphan the evidence
+    added_later: ClassVar[Mapping[str, Any]] = {}
     #: True for the cache format the quality axes compare every coder with (the FP8 cache serving stacks accept): the
     #: frontier's recall axis reports each cell's loss minus this one's on the same windows
     quality_reference: ClassVar[bool] = False
@@ -167,6 +170,12 @@ class Compressor(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Name and hyperparameters, for summaries."""
         return {"name": self.name, **{k: v.describe() if isinstance(v, Compressor) else v for k, v in _fields(self).items()}}
+
+    def keyed(self) -> dict[str, Any]:
+        """:meth:`describe` as a run's ``cell_key`` hashes it: a field in :attr:`added_later` at the value it names is
+        left out, so a run measured before the field existed keys as the same cell."""
+        return {"name": self.name, **{k: v.keyed() if isinstance(v, Compressor) else v for k, v in _fields(self).items()
+                                      if not (k in self.added_later and v == self.added_later[k])}}
 
 
 class SetCompressor(Compressor):

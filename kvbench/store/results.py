@@ -15,8 +15,10 @@ Every command that measures (``run``, ``eval``, ``latency``, ``restore``, ``step
                            the long-range probe's, per copy span (``read_nll(dir, "recall")``)
 
 ``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
-version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a field added
-later with a default keys the same as an old config that did not name it). The code version (``git_sha``) is kept
+version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a config that
+leaves a field at its default keys the same as one that names it), less any field its class lists in ``added_later`` at
+the value named there (:meth:`kvbench.core.compressor.Compressor.keyed`: a field added to a published coder does
+not orphan its earlier runs). The code version (``git_sha``) is kept
 beside it, not in it: a commit does not orphan earlier runs, and :func:`latest` finds the newest finished run of a
 cell under any code version unless ``same_code=True`` asks for this one.
 

@@ -23,7 +23,7 @@ def formatter(kind: str):
 
 def key_of(cfg: Any) -> str:
     """The ``cell_key`` that :func:`run_cell` files this config's runs under."""
-    return cell_key(OmegaConf.to_container(cfg, resolve=True), make_compressor(cfg.get("compressor")).describe())
+    return cell_key(OmegaConf.to_container(cfg, resolve=True), make_compressor(cfg.get("compressor")).keyed())
 
 
 def finished(kind: str, cfg: Any, same_code: bool = False) -> dict | None:
@@ -47,4 +47,4 @@ def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra:
         summary, rows = measure(cfg, compressor, handle, **measure_kw)
         return {**summary, **(extra or {})}, rows
 
-    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.describe(), measured, resume)
+    return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.keyed(), measured, resume)

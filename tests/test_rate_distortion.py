@@ -91,4 +91,6 @@ def test_a_run_prices_the_error_by_its_coders_own_kind_weights():
     dropped = DistortionAccumulator()
     dropped.add("k", kv.k, kv.k, (torch.arange(3000) < 1500).expand(2, 2, 3000))
     dropped.add("v", kv.v, kv.v, (torch.arange(3000) < 1500).expand(2, 2, 3000))
-    assert math.isnan(rd_reference([kv], dropped, False, None, (0.25, 1.0))["rd_bits_per_element_weighted"])
+    nan = rd_reference([kv], dropped, False, None, (0.25, 1.0))
+    assert set(nan) == set(keyed) and all(math.isnan(nan[k]) for k in keyed if k != "rd_key_weight")
+    assert nan["rd_key_weight"] == 0.25

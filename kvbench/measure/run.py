@@ -33,7 +33,7 @@ from kvbench.measure.fit_draws import draw_spread
 from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.measure.metrics.paired_loss import recall_loss, task_loss
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
-from kvbench.measure.metrics.rate_distortion import gaussian_rd
+from kvbench.measure.metrics.rate_distortion import RD_RATES, gaussian_rd
 from kvbench.measure.metrics.task_loss import continuation_nlls
 from kvbench.store.results import NLL_KEY, git_sha
 
@@ -272,8 +272,7 @@ def rd_reference(kvs: Sequence[KVSequence], dist: DistortionAccumulator, lossles
     run (no finite rate reaches zero error) and for one that evicts (its relative MSE is over the kept vectors only,
     and a dropped vector's cost is not squared error). Keys with RoPE undone need ``config``."""
     if lossless or dist.dropped_fraction("k") > 0 or dist.dropped_fraction("v") > 0:
-        return {"rd_bits_per_element": math.nan, "rd_bits_per_element_pre_rope": math.nan,
-                "rd_bits_per_element_weighted": math.nan, "rd_key_weight": weights[0] / weights[1]}
+        return {**dict.fromkeys(RD_RATES, math.nan), "rd_key_weight": weights[0] / weights[1]}
     return gaussian_rd([kv.k for kv in kvs], [kv.v for kv in kvs], dist.rel_mse("k"), dist.rel_mse("v"),
                        None if config is None else Rotary(config), weights)
 

@@ -81,6 +81,10 @@ def weighted_reverse_waterfill(spectra: Sequence[tuple[torch.Tensor, float]], re
     return reverse_waterfill(lam, sum(w * r for w, r in zip(weights, rel_mses, strict=True)))
 
 
+#: the rates :func:`gaussian_rd` returns (beside ``rd_key_weight``), NaN where a run has no finite reference
+RD_RATES = ("rd_bits_per_element", "rd_bits_per_element_pre_rope", "rd_bits_per_element_weighted")
+
+
 def gaussian_rd(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], rel_mse_k: float, rel_mse_v: float,
                 rotary: Any = None, weights: tuple[float, float] = (1.0, 1.0)) -> dict[str, float]:
     """``rd_bits_per_element`` (keys as stored) and ``rd_bits_per_element_pre_rope`` (keys with RoPE undone by

@@ -39,7 +39,9 @@ Defaults: ``key_weight=0.5``, ``obs_window=32``, ``power=0.5`` and ``tiers=6`` w
 (``dataset.split=dev``, windows from other documents than the scored ones; study ``dev_split``, preset
 ``dev_waterfill``) among ``key_weight`` 0.125/0.25/0.5 × ``obs_window`` 32/128 × ``power`` 0.5/1 × ``tiers`` 4/6 at a
 1-bit budget, by the study's objective: the relative next-token NLL change plus the relative recall-probe change
-(``results/dev_split.md``).
+(``results/dev_split.md``). ``importance`` ``all``/``uniform``, ``distortion`` and a higher ``key_weight`` were measured
+at a 2-bit budget against the FP8 cache's recall on 16 development windows (study ``dev_recall``, same page); the
+defaults stay those chosen at one bit.
 """
 from __future__ import annotations
 

@@ -23,6 +23,12 @@ def _module(ref: Any, owner: str) -> torch.nn.Module:
     return ref if isinstance(ref, torch.nn.Module) else ref.model
 
 
+def decoder_stack(ref: Any, owner: str) -> torch.nn.Module:
+    """The decoder stack (its ``layers``, no LM head) of the model in ``ref``: a module, or a handle holding one."""
+    model = _module(ref, owner)
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 @dataclass
 class Queries:
     """Queries of the tokens ``first .. T - 1`` with RoPE at their own positions, and what attention needs."""
@@ -52,7 +58,7 @@ def capture_queries(owner: str, kv: KVSequence, ctx: Context, first: int) -> Que
     model = _module(ctx.model, owner)
     if kv.tokens is None:
         raise ValueError(f"{owner} recomputes queries from the token ids, but this sequence has none")
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    decoder = decoder_stack(model, owner)
     device = next(model.parameters()).device
     T = kv.n_tokens
     q_pre, k_pre, scaling, sliding, softcap = [], [], [], [], []

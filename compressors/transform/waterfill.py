@@ -241,27 +241,30 @@ class Waterfill(Compressor):
     def _queries(self, kv: KVSequence, ctx: Context) -> Queries | None:
         """The queries the encoder recomputes: every token's where the importance or the distortion reads them
         all, else the observation window's; None where neither reads any."""
-        T = kv.n_tokens
         if self.importance == "all" or self.distortion != "energy":
             return capture_queries(self.name, kv, ctx, 0)
-        return None if self.importance == "uniform" else capture_queries(self.name, kv, ctx, T - min(self.obs_window, T - 1))
+        T = kv.n_tokens
+        return None if self.importance == "uniform" else capture_queries(self.name, kv, ctx, T - self._window(T))
+
+    def _window(self, T: int) -> int:
+        """The observation window's length in a ``T``-token sequence (its first token is never in it)."""
+        return min(self.obs_window, T - 1)
 
     def _importance(self, kv: KVSequence, qs: Queries | None, n_sink: int) -> torch.Tensor:
         """``(L, n)`` importance of the coded tokens (mean 1 per layer)."""
         L, H, T, _ = kv.shape
         if self.importance == "uniform" or qs is None:
             return torch.ones(L, T - n_sink, dtype=torch.float64)
+        w = self._window(T)
         if self.importance == "all":  # the mean attention a key receives from the queries that see it, as H2O sums it
             seen_by = torch.arange(T, 0, -1, dtype=torch.float64)  # (T,) causal; sliding layers' windows not counted
             attn = attention_sums(qs, kv.k).mean(dim=1).double() / seen_by  # (L, T)
         else:
-            w = min(self.obs_window, T - 1)
             tail = qs if qs.first == T - w else replace(qs, q=qs.q[:, :, T - w - qs.first:],
                                                        q_pre=qs.q_pre[:, :, T - w - qs.first:], first=T - w)
             attn = attention_sums(tail, kv.k).mean(dim=1)  # (L, T) mean over the query heads
         pooled = torch.nn.functional.max_pool1d(attn[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
         if self.importance == "attention":  # the window's own keys: seen by few queries
-            w = min(self.obs_window, T - 1)
             pooled[:, T - w :] = pooled.max(dim=1, keepdim=True).values
         a = pooled[:, n_sink:].double()  # (L, n)
         return a / a.mean(dim=1, keepdim=True).clamp_min(1e-30)

@@ -4,9 +4,9 @@ Waterfill's calibrated table prices a PCA component's error by its share of the 
 key or a value counts alike per unit of squared error. Attention does not read them alike. An error ``e`` in a
 pre-RoPE key moves the logit of a pre-RoPE query ``q`` that sits ``Δ`` positions later by ``(R_Δ q)ᵀ e`` (RoPE, Su et
 al., arXiv 2104.09864: ``(R_m q)ᵀ R_n k = (R_{m-n} q)ᵀ k``), so the logit's mean squared error is ``eᵀ M e`` with
-``M = E[R_Δ q (R_Δ q)ᵀ]`` over queries and distances; an error ``e`` in a value reaches the layer's output through ``o_proj`` as ``‖W_o e‖²``. Pricing key error
-by attention-logit distortion under query statistics is the objective of RDKV (arXiv 2605.08317) and of
-attention-aware transform coding, in place of the key's own MSE.
+``M = E[R_Δ q (R_Δ q)ᵀ]`` over queries and distances; an error ``e`` in a value reaches the layer's output through
+``o_proj`` as ``‖W_o e‖²``. Pricing key error by attention-logit distortion under query statistics is the objective
+of RDKV (arXiv 2605.08317) and of attention-aware transform coding, in place of the key's own MSE.
 
 Here ``M`` is measured per sequence from the queries the encoder recomputes for it (every query head of a KV head's
 group, each rotated by a distance drawn uniformly from the sequence's length, as a later question may sit anywhere
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compressors.eviction.query_attention import decoder_stack
 from kvbench.core.rope import Rotary
 
 #: seed of the distances the queries are rotated by: the encoder alone draws them, so any fixed draw is reproducible
@@ -52,7 +53,6 @@ def query_metric(q_pre: torch.Tensor, rotary: Rotary, n_kv_heads: int) -> torch.
     gen = torch.Generator().manual_seed(DISTANCE_SEED)
     order = torch.randperm(T, generator=gen)  # every distance in [0, T) once, in a fixed shuffled order
     rotated = rotary.apply(q_pre[:, :, order].float(), 0)  # (L, Hq, T, D): query order[j] rotated by R_j
-
     grouped = rotated.double().reshape(L, n_kv_heads, (Hq // n_kv_heads) * T, D)  # (L, H, G*T, D)
     return grouped.transpose(2, 3) @ grouped / T  # (L, H, D, D)
 
@@ -60,10 +60,8 @@ def query_metric(q_pre: torch.Tensor, rotary: Rotary, n_kv_heads: int) -> torch.
 def output_metric(model: Any, n_kv_heads: int, head_dim: int) -> torch.Tensor:
     """``(L, H, D, D)``: ``Σ_j W_jᵀ W_j`` over each KV head's query heads ``j``, ``W_j`` the head's
     ``(hidden, D)`` block of the layer's ``o_proj``."""
-    module = model if isinstance(model, torch.nn.Module) else model.model
-    decoder = module.get_decoder() if hasattr(module, "get_decoder") else module.model
     out = []
-    for layer in decoder.layers:
+    for layer in decoder_stack(model, "waterfill").layers:
         w = layer.self_attn.o_proj.weight.detach().double()  # (hidden, Hq*D)
         blocks = w.reshape(w.shape[0], -1, head_dim).permute(1, 2, 0)  # (Hq, D, hidden)
         per_head = blocks @ blocks.transpose(1, 2)  # (Hq, D, D)

@@ -169,13 +169,17 @@ class Compressor(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """Name and hyperparameters, for summaries."""
-        return {"name": self.name, **{k: v.describe() if isinstance(v, Compressor) else v for k, v in _fields(self).items()}}
+        return self._params(keyed=False)
 
     def keyed(self) -> dict[str, Any]:
         """:meth:`describe` as a run's ``cell_key`` hashes it: a field in :attr:`added_later` at the value it names is
         left out, so a run measured before the field existed keys as the same cell."""
-        return {"name": self.name, **{k: v.keyed() if isinstance(v, Compressor) else v for k, v in _fields(self).items()
-                                      if not (k in self.added_later and v == self.added_later[k])}}
+        return self._params(keyed=True)
+
+    def _params(self, keyed: bool) -> dict[str, Any]:
+        return {"name": self.name, **{k: v._params(keyed) if isinstance(v, Compressor) else v
+                                      for k, v in _fields(self).items()
+                                      if not (keyed and k in self.added_later and v == self.added_later[k])}}
 
 
 class SetCompressor(Compressor):

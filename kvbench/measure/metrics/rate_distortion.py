@@ -95,13 +95,18 @@ def gaussian_rd(ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], rel_mse_
     ``rotary`` is given, as stored otherwise)."""
     L, H, _, D = ks[0].shape
     per_token = 2 * L * H * D  # K and V elements of one token
+
+    def rate(spectrum: tuple[torch.Tensor, float], rel: float) -> float:
+        eig, energy = spectrum
+        return reverse_waterfill(eig, rel * energy)
+
     spec_k, spec_v = layer_spectra(ks), layer_spectra(vs)
-    r_v = reverse_waterfill(spec_v[0], rel_mse_v * spec_v[1])
-    out = {"rd_bits_per_element": (reverse_waterfill(spec_k[0], rel_mse_k * spec_k[1]) + r_v) / per_token}
+    r_v = rate(spec_v, rel_mse_v)
+    out = {"rd_bits_per_element": (rate(spec_k, rel_mse_k) + r_v) / per_token}
     pre = math.nan
     if rotary is not None:
         spec_k = layer_spectra([rotary.undo(k, 0) for k in ks])
-        pre = (reverse_waterfill(spec_k[0], rel_mse_k * spec_k[1]) + r_v) / per_token
+        pre = (rate(spec_k, rel_mse_k) + r_v) / per_token
     out["rd_bits_per_element_pre_rope"] = pre
     out["rd_bits_per_element_weighted"] = weighted_reverse_waterfill([spec_k, spec_v], [rel_mse_k, rel_mse_v],
                                                                      weights) / per_token

@@ -14,6 +14,7 @@ from kvbench.report.tables import pick
 DEV_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
                    "delta_nll", "delta_nll_ci_text", "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text",
                    "dev_objective", "eval_documents_n", "chosen", "default")
+NO_DEV_RUN = "_no run on the development split (dataset.split=dev)_\n"
 #: a candidate competes only if its stream rate is within this factor of the lowest of its coder and budget
 RATE_SLACK = 1.05
 DEV_NOTE = ("Every candidate on the development split (dataset.split=dev: as many windows as a test run scores, from "
@@ -78,7 +79,7 @@ def _defaults(dev: pd.DataFrame, score: pd.Series) -> list[str]:
 
 def dev_split(got: Collection) -> tuple[list[Table], Figures]:
     return [Table("dev_split", dev_choice(got.table), DEV_COLUMNS, "candidates on the development split", DEV_NOTE,
-                  empty="_no run on the development split (dataset.split=dev)_\n", csv=True)], {}
+                  empty=NO_DEV_RUN, csv=True)], {}
 
 
 RECALL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "params", "stream_bits_per_element",
@@ -97,4 +98,4 @@ def dev_recall(got: Collection) -> tuple[list[Table], Figures]:
     d = dev_choice(got.table)
     return [Table("dev_recall", recall_vs_reference(d, got) if not d.empty else d, RECALL_COLUMNS,
                   "the recall goal's candidates on the development split", RECALL_NOTE,
-                  empty="_no run on the development split (dataset.split=dev)_\n", csv=True)], {}
+                  empty=NO_DEV_RUN, csv=True)], {}

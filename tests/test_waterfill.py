@@ -132,3 +132,21 @@ def test_the_distortion_field_keys_runs_from_before_it_as_the_same_cell():
     assert "distortion" not in Waterfill().keyed() and Waterfill().describe()["distortion"] == "energy"
     assert Waterfill(distortion="query").keyed()["distortion"] == "query"
     assert {k: v for k, v in Waterfill().describe().items() if k != "distortion"} == Waterfill().keyed()
+
+
+def test_every_querys_importance_is_the_mean_attention_a_key_receives(trace):
+    model, calib, kv = trace
+    comp = Waterfill(importance="all", kernel=1)  # no pooling: the importance itself
+    qs = comp._queries(kv, Context.for_kv(kv, model, model.config))
+    assert qs.first == 0
+    got = comp._importance(kv, qs, 0)  # (L, T)
+    L, H, T, D = kv.shape
+    want = torch.zeros(L, T, dtype=torch.float64)
+    for layer in range(L):  # by hand: every query's causal softmax, summed per key, over the queries that see it
+        keys = kv.k[layer].double().repeat_interleave(qs.q.shape[1] // H, dim=0)  # (Hq, T, D)
+        for i in range(T):
+            logits = torch.einsum("hd,htd->ht", qs.q[layer, :, i].double(), keys[:, : i + 1]) * qs.scaling[layer]
+            want[layer, : i + 1] += torch.softmax(logits, dim=-1).mean(0)
+        want[layer] /= torch.arange(T, 0, -1, dtype=torch.float64)
+    want /= want.mean(dim=1, keepdim=True)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)

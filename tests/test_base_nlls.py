@@ -63,3 +63,20 @@ def test_a_bit_exact_decode_reuses_the_baselines_nlls_and_a_lossy_one_is_scored(
     lossy, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)
     assert lossy["nll_compressed_reused"] == 0 and len(scored) >= windows  # every decoded cache scored
     assert lossy["nll_base"] == exact["nll_base"] and lossy["delta_nll"] != 0.0
+
+
+def test_an_exact_cache_forced_through_the_compressed_path_scores_exactly_the_baseline(tiny_cfg, tiny_handle, monkeypatch):
+    """With the baseline's NLLs not reused, the identity's decoded cache is scored by the same code path as any lossy
+    cache: a difference between how the baseline and a decoded cache are scored would show here as a delta_nll."""
+    from kvbench.core.config import make_compressor
+
+    scored = []
+    real = runner.continuation_nlls
+    monkeypatch.setattr(runner, "continuation_nlls", lambda model, kv, cont: scored.append(kv) or real(model, kv, cont))
+    monkeypatch.setattr(runner, "_BASE_NLLS", {})
+    cfg = tiny_cfg("+compressor=identity", "metrics.reuse_exact_nll=false")
+    forced, _ = runner.measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    windows = forced["n_sequences"]
+    assert forced["nll_compressed_reused"] == 0 and len(scored) == 4 * windows  # baseline and decoded, both probes
+    assert forced["delta_nll"] == 0.0 and forced["delta_nll_ci"] == [0.0, 0.0]
+    assert forced["delta_nll_recall"] == 0.0

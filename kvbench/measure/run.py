@@ -162,6 +162,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     recall_base, recall_comp, recall_of = [], [], []  # the long-range probe's, and which scored item each is
     recall_span, recall_start = int(cfg.metrics.get("recall_tokens", 0) or 0), float(cfg.metrics.get("recall_from", 0.1))
     reused = 0  # scored items whose decoded cache is the captured one, bit for bit
+    # metrics.reuse_exact_nll=false scores such a cache again: the check that both paths give the same NLLs
+    reuse = bool(cfg.metrics.get("reuse_exact_nll", True))
     for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
                            disable=None):
         kv = it.kv
@@ -178,7 +180,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         if it.continuation is not None:
             trace = None if workload_selected(cfg.get("workload")) else source.fields.get("trace")
             nll_base.append(_base_nlls(handle, trace, len(nll_base), it))
-            if exact and kv_hat.kept is None:
+            if reuse and exact and kv_hat.kept is None:
                 # the same cache, bit for bit, scores what the baseline scored: the same computation on the same
                 # inputs (half of a lossless run's time on CPU)
                 nll_comp.append(nll_base[-1].copy())
@@ -189,7 +191,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
             if probe is not None:
                 recall_of.append(len(nll_base) - 1)
                 recall_base.append(_base_nlls(handle, trace, recall_of[-1], it, probe, "recall"))
-                recall_comp.append(recall_base[-1].copy() if exact and kv_hat.kept is None else
+                recall_comp.append(recall_base[-1].copy() if reuse and exact and kv_hat.kept is None else
                                    continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), probe))
 
     baseline_mb = n_el * 2 / 1e6

@@ -78,7 +78,7 @@ KINDS = {
 #: top-level config nodes that say where results go or whether to reuse them, not what is measured
 NOT_KEYED = ("paths", "hydra")
 #: metrics.* fields that steer the command, not the measurement
-NOT_KEYED_METRICS = ("resume",)
+NOT_KEYED_METRICS = ("resume", "reuse_exact_nll")
 #: (node, field) -> value: config fields added after runs were filed without them, left out of the key while they hold
 #: the value under which the run measures what those runs measured, so those runs keep their keys
 ADDED_LATER = {

@@ -18,7 +18,7 @@ from kvbench.sweep.presets import Preset, cells, sweep_params
 
 SCRIPTS_DIR = repo_root() / "scripts"
 SCRIPTS = sorted(SCRIPTS_DIR.glob("*.py"))
-BENCHMARKS = ("bench_", "byte_planes", "reliability", "needle_keep")  # measure or check on their own; every other script drives a study
+BENCHMARKS = ("bench_", "byte_planes", "reliability", "needle_keep", "diagnose_")  # measure or check on their own; every other script drives a study
 DRIVERS = [p for p in SCRIPTS if not p.name.startswith(BENCHMARKS)]
 # a run directory's files, named as a path or a string of their own
 RUN_FILE = re.compile(r"""[/"'](summary|eval|latency|config)\.json["']""")

@@ -83,7 +83,7 @@ def attention_sums(qs: Queries, k: torch.Tensor) -> torch.Tensor:
             lo, hi = 0, int(q_pos[-1]) + 1  # keys a query of this block can see: causal, and within the window
             if qs.sliding[layer]:
                 lo = max(0, int(q_pos[0]) - qs.sliding[layer] + 1)
-            logits = masked_logits(q, keys[:, lo:hi], q_pos, torch.arange(lo, hi), qs.scaling[layer],
+            logits = masked_logits(q @ keys[:, lo:hi].transpose(1, 2), q_pos, torch.arange(lo, hi), qs.scaling[layer],
                                    qs.sliding[layer], qs.softcap[layer])  # (Hq, c, S)
             out[layer, :, lo:hi] += torch.softmax(logits, dim=-1).sum(1)
     return out

@@ -78,17 +78,23 @@ def tap_queries(decoder: torch.nn.Module, pick: slice | torch.Tensor, keys: bool
             h.remove()
 
 
-def masked_logits(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor, scaling: float,
+def visible(q_pos: torch.Tensor, key_pos: torch.Tensor, sliding: int | None) -> torch.Tensor:
+    """``(n, S)`` bool: which keys at ``key_pos`` ``(S,)`` the queries at ``q_pos`` ``(n,)`` see in the model: the
+    query at ``i`` sees the key at ``j`` where ``j <= i`` and, on a sliding-window layer, ``i - j < window``."""
+    i, j = q_pos.unsqueeze(1), key_pos.unsqueeze(0)  # (n, 1), (1, S)
+    seen = j <= i  # (n, S)
+    if sliding:
+        seen &= i - j < sliding
+    return seen
+
+
+def masked_logits(dots: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor, scaling: float,
                   sliding: int | None, softcap: float | None) -> torch.Tensor:
-    """``(B, n, S)``: the logits of queries ``q`` ``(B, n, D)`` at positions ``q_pos`` ``(n,)`` on ``keys``
-    ``(B, S, D)`` at ``key_pos`` ``(S,)``, scaled and soft-capped as in the model, ``-inf`` where a query does not
-    see the key (a later position, or outside the layer's sliding window: the model's query at ``i`` sees the key
-    at ``j`` where ``j <= i`` and ``i - j < window``)."""
-    logits = q @ keys.transpose(1, 2) * scaling  # (B, n, S)
+    """``(B, n, S)``: the logits the model forms from the dot products ``dots`` ``(B, n, S)`` of queries at
+    ``q_pos`` ``(n,)`` and keys at ``key_pos`` ``(S,)``: scaled, soft-capped as in the model, ``-inf`` where the
+    query does not see the key (:func:`visible`)."""
+    logits = dots * scaling  # (B, n, S)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    i, j = q_pos.unsqueeze(1), key_pos.unsqueeze(0)  # (n, 1), (1, S)
-    visible = j <= i  # (n, S)
-    if sliding:
-        visible &= i - j < sliding
-    return logits.masked_fill(~visible, -math.inf)
+    seen = visible(q_pos, key_pos, sliding)  # (n, S)
+    return logits if bool(seen.all()) else logits.masked_fill(~seen, -math.inf)

@@ -46,7 +46,7 @@ import torch
 
 from kvbench.core.kv import KVSequence
 from kvbench.core.rope import Rotary
-from kvbench.inputs.model_queries import decoder_stack, masked_logits, tap_queries
+from kvbench.inputs.model_queries import decoder_stack, masked_logits, tap_queries, visible
 from kvbench.measure.metrics.task_loss import build_cache
 
 #: (KV head, query, key) entries of one layer's blocks held at once: bounds the memory at long contexts
@@ -116,20 +116,26 @@ def layer_sums(q: torch.Tensor, positions: torch.Tensor, kv: KVSequence, kv_hat:
     for c in range(0, n, step):
         qc = grouped[:, :, c : c + step].reshape(H, -1, D)  # (H, G*m, D)
         pos = positions[c : c + step].repeat(G)  # (G*m,) the block's positions, once per query head of the group
-        exact = masked_logits(qc, k, pos, key_pos, scaling, sliding, softcap)  # (H, G*m, T)
-        approx = masked_logits(qc, k_hat, pos, key_pos, scaling, sliding, softcap)  # (H, G*m, T)
+        dot = qc @ k.transpose(1, 2)  # (H, G*m, T)
+        dot_hat = qc @ k_hat.transpose(1, 2)  # (H, G*m, T)
+        err, energy = (dot_hat - dot).square(), dot.square()  # (H, G*m, T)
+        seen = visible(pos, key_pos, sliding)  # (G*m, T)
+        measured = seen if hidden is None else seen & ~hidden  # (H, G*m, T) seen and kept
+        if not bool(measured.all()):
+            err, energy = err.masked_fill(~measured, 0.0), energy.masked_fill(~measured, 0.0)
+        sums[0] += err.sum((1, 2)).double()
+        sums[1] += energy.sum((1, 2)).double()
+        exact = masked_logits(dot, pos, key_pos, scaling, sliding, softcap)  # (H, G*m, T)
+        approx = masked_logits(dot_hat, pos, key_pos, scaling, sliding, softcap)  # (H, G*m, T)
         if hidden is not None:
             approx = approx.masked_fill(hidden, -math.inf)
-        measured = approx.isfinite().float()  # (H, G*m, T) seen and kept
-        dot_err = qc @ (k_hat - k).transpose(1, 2)  # (H, G*m, T)
-        dot = qc @ k.transpose(1, 2)  # (H, G*m, T)
-        sums[0] += (dot_err.square() * measured).sum((1, 2), dtype=torch.float64)
-        sums[1] += (dot.square() * measured).sum((1, 2), dtype=torch.float64)
-        # a query that sees no prefix key (past a sliding window, or all of it evicted) reads nothing from it
-        o = torch.softmax(exact, -1).nan_to_num(0.0) @ v  # (H, G*m, D)
-        o_hat = torch.softmax(approx, -1).nan_to_num(0.0) @ v_hat  # (H, G*m, D)
-        sums[2] += (o_hat - o).square().sum((1, 2), dtype=torch.float64)
-        sums[3] += o.square().sum((1, 2), dtype=torch.float64)
+        p, p_hat = torch.softmax(exact, -1), torch.softmax(approx, -1)  # (H, G*m, T)
+        if sliding or hidden is not None:
+            # a query that sees no prefix key (past a sliding window, or all of it evicted) reads nothing from it
+            p, p_hat = p.nan_to_num_(0.0), p_hat.nan_to_num_(0.0)
+        o, o_hat = p @ v, p_hat @ v_hat  # (H, G*m, D)
+        sums[2] += (o_hat - o).square().sum((1, 2)).double()
+        sums[3] += o.square().sum((1, 2)).double()
     return sums
 
 

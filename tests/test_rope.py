@@ -44,6 +44,9 @@ def test_apply_and_undo_match_the_models_own_keys(make):
     assert torch.allclose(rope.undo(k), k_pre, atol=1e-5, rtol=1e-5)
     # a segment that starts later in the sequence rotates by its own positions
     assert torch.allclose(rope.apply(k_pre[:, :, 40:], start=40), k[:, :, 40:], atol=1e-5, rtol=1e-5)
+    # and tokens picked here and there by their own positions
+    picks = torch.tensor([3, 17, 18, 61, 79])
+    assert torch.allclose(rope.apply(k_pre[:, :, picks], positions=picks), k[:, :, picks], atol=1e-5, rtol=1e-5)
 
 
 def test_redo_of_undo_returns_the_captured_16_bit_keys():

@@ -11,22 +11,11 @@ from typing import Any
 import torch
 
 from kvbench.core.kv import Context, KVSequence
+from kvbench.core.rope import Rotary
+from kvbench.inputs.model_queries import decoder_stack, masked_logits, model_module, tap_queries
 
 #: queries per attention block when scoring: bounds the ``(heads, queries, T)`` probabilities held at once
 QUERY_CHUNK = 256
-
-
-def _module(ref: Any, owner: str) -> torch.nn.Module:
-    if ref is None:
-        raise ValueError(f"{owner} scores with the model's queries: the encoder needs the model in the context "
-                         "(needs_model=True; the harness passes it)")
-    return ref if isinstance(ref, torch.nn.Module) else ref.model
-
-
-def decoder_stack(ref: Any, owner: str) -> torch.nn.Module:
-    """The decoder stack (its ``layers``, no LM head) of the model in ``ref``: a module, or a handle holding one."""
-    model = _module(ref, owner)
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
 @dataclass
@@ -46,55 +35,34 @@ class Queries:
 def capture_queries(owner: str, kv: KVSequence, ctx: Context, first: int) -> Queries:
     """Run the model on ``kv.tokens`` and recompute the queries of tokens ``first ..`` from each attention's input.
 
-    Keys alone do not give queries, so the encoder runs the decoder stack once (no LM head) with a forward
-    pre-hook on every attention module that applies its own ``q_proj`` (and ``q_norm`` where the model has one)
-    to the hidden states it receives. RoPE is applied with :class:`kvbench.core.rope.Rotary` at the queries' own
-    positions (``ctx.start + t``). As a guard, the same pass recomputes every layer's keys; they must match the
-    cached ones, else the model is not the one that made the cache (or the segment does not start the sequence:
-    its queries would depend on tokens before it, which the encoder does not have).
+    The queries are read off each attention module by :func:`kvbench.inputs.model_queries.tap_queries` (its own
+    ``q_proj``, and ``q_norm`` where the model has one) in one pass of the decoder stack (no LM head). RoPE is
+    applied with :class:`kvbench.core.rope.Rotary` at the queries' own positions (``ctx.start + t``). As a guard,
+    the same pass recomputes every layer's keys; they must match the cached ones, else the model is not the one that
+    made the cache (or the segment does not start the sequence: its queries would depend on tokens before it, which
+    the encoder does not have).
     """
-    from kvbench.core.rope import Rotary
-
-    model = _module(ctx.model, owner)
+    model = model_module(ctx.model, owner)
     if kv.tokens is None:
         raise ValueError(f"{owner} recomputes queries from the token ids, but this sequence has none")
     decoder = decoder_stack(model, owner)
     device = next(model.parameters()).device
     T = kv.n_tokens
-    q_pre, k_pre, scaling, sliding, softcap = [], [], [], [], []
-
-    def hook(attn: Any, args: tuple, kwargs: dict) -> None:
-        hidden = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).float()  # (1, T, hidden)
-        D = attn.head_dim
-        q = attn.q_proj(hidden[:, first:]).view(1, T - first, -1, D).transpose(1, 2)  # (1, Hq, n, D)
-        k = attn.k_proj(hidden).view(1, T, -1, D).transpose(1, 2)  # (1, H, T, D)
-        if getattr(attn, "q_norm", None) is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q_pre.append(q[0].float().cpu())
-        k_pre.append(k[0].float().cpu())
-        scaling.append(float(attn.scaling))
-        sliding.append(getattr(attn, "sliding_window", None))
-        softcap.append(getattr(attn, "attn_logit_softcapping", None))
-
-    hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder.layers]
-    try:
+    with tap_queries(decoder, slice(first, None), keys=True) as tap:
         positions = torch.arange(ctx.start, ctx.start + T, device=device).unsqueeze(0)  # (1, T)
         decoder(input_ids=kv.tokens.to(device).unsqueeze(0), position_ids=positions, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    if len(q_pre) != kv.shape[0]:
-        raise ValueError(f"{owner}: the model has {len(q_pre)} attention layers; the cache has {kv.shape[0]}")
+    if len(tap.q) != kv.shape[0]:
+        raise ValueError(f"{owner}: the model has {len(tap.q)} attention layers; the cache has {kv.shape[0]}")
     rope = Rotary(model.config)
-    keys = rope.apply(torch.stack(k_pre), ctx.start)  # (L, H, T, D)
+    keys = rope.apply(torch.stack(tap.k), ctx.start)  # (L, H, T, D)
     cached = kv.k.float()
     err = float((keys - cached).norm() / cached.norm().clamp_min(1e-12)) if keys.shape == cached.shape else math.inf
     if err > 0.05:
         raise ValueError(f"{owner}: the model in the context does not reproduce this sequence's keys (relative "
                          f"error {err:.3g}); queries are recomputed from kv.tokens with the model that made the "
                          "cache, from the sequence's first token")
-    q_pre_all = torch.stack(q_pre)  # (L, Hq, n, D)
-    return Queries(rope.apply(q_pre_all, ctx.start + first), q_pre_all, first, scaling, sliding, softcap,
+    q_pre_all = torch.stack(tap.q)  # (L, Hq, n, D)
+    return Queries(rope.apply(q_pre_all, ctx.start + first), q_pre_all, first, tap.scaling, tap.sliding, tap.softcap,
                    model.config)
 
 
@@ -111,18 +79,12 @@ def attention_sums(qs: Queries, k: torch.Tensor) -> torch.Tensor:
         keys = k[layer].float().repeat_interleave(Hq // H, dim=0)  # (Hq, T, D)
         for c in range(0, n, QUERY_CHUNK):
             q = qs.q[layer, :, c : c + QUERY_CHUNK]  # (Hq, c, D)
-            q_pos = torch.arange(qs.first + c, qs.first + c + q.shape[1]).unsqueeze(1)  # (c, 1)
+            q_pos = torch.arange(qs.first + c, qs.first + c + q.shape[1])  # (c,)
             lo, hi = 0, int(q_pos[-1]) + 1  # keys a query of this block can see: causal, and within the window
             if qs.sliding[layer]:
                 lo = max(0, int(q_pos[0]) - qs.sliding[layer] + 1)
-            key_pos = torch.arange(lo, hi)  # (S,)
-            logits = q @ keys[:, lo:hi].transpose(1, 2) * qs.scaling[layer]  # (Hq, c, S)
-            if qs.softcap[layer]:
-                logits = torch.tanh(logits / qs.softcap[layer]) * qs.softcap[layer]
-            visible = key_pos <= q_pos  # (c, S)
-            if qs.sliding[layer]:
-                visible &= q_pos - key_pos < qs.sliding[layer]
-            logits = logits.masked_fill(~visible, -math.inf)
+            logits = masked_logits(q @ keys[:, lo:hi].transpose(1, 2), q_pos, torch.arange(lo, hi), qs.scaling[layer],
+                                   qs.sliding[layer], qs.softcap[layer])  # (Hq, c, S)
             out[layer, :, lo:hi] += torch.softmax(logits, dim=-1).sum(1)
     return out
 

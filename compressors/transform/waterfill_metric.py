@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from compressors.eviction.query_attention import decoder_stack
 from kvbench.core.rope import Rotary
+from kvbench.inputs.model_queries import decoder_stack
 
 #: seed of the distances the queries are rotated by: the encoder alone draws them, so any fixed draw is reproducible
 DISTANCE_SEED = 0

@@ -48,7 +48,8 @@ def _rotary_class(config: Any) -> type:
 
 class Rotary:
     """RoPE of one model: ``apply`` (pre-RoPE -> cached keys) and ``undo`` (cached keys -> pre-RoPE), on
-    ``(L, H, T, D)`` keys at positions ``start .. start + T - 1``, computed in float32."""
+    ``(L, H, T, D)`` keys at positions ``start .. start + T - 1`` (or at ``positions``, ``(T,)``: queries picked
+    from a longer span), computed in float32."""
 
     def __init__(self, config: Any) -> None:
         self.config = _text_config(config)
@@ -65,9 +66,10 @@ class Rotary:
     def _per_type(self) -> bool:
         return "layer_type" in inspect.signature(self._module.forward).parameters
 
-    def angles(self, n_tokens: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, n_tokens: int, start: int = 0,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin``, ``(L, 1, T, R)`` float32 (``R`` rotary channels, scaling included)."""
-        pos = torch.arange(start, start + n_tokens).unsqueeze(0)  # (1, T)
+        pos = (torch.arange(start, start + n_tokens) if positions is None else positions.long().cpu()).unsqueeze(0)  # (1, T)
         probe = torch.zeros(1, dtype=torch.float32)
         n_layers = self.config.num_hidden_layers
         if not self._per_type:
@@ -78,11 +80,13 @@ class Rotary:
         sin = torch.cat([per_type[t][1] for t in self.layer_types])  # (L, T, R)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def _rotate(self, k: torch.Tensor, start: int, inverse: bool) -> torch.Tensor:
+    def _rotate(self, k: torch.Tensor, start: int, inverse: bool, positions: torch.Tensor | None = None) -> torch.Tensor:
         L, _, T, D = k.shape
         if L != self.config.num_hidden_layers:
             raise ValueError(f"keys have {L} layers; the model config has {self.config.num_hidden_layers}")
-        cos, sin = self.angles(T, start)  # (L, 1, T, R)
+        if positions is not None and positions.numel() != T:
+            raise ValueError(f"{positions.numel()} positions for {T} tokens")
+        cos, sin = self.angles(T, start, positions)  # (L, 1, T, R)
         R = cos.shape[-1]
         x = k.float()
         rot, rest = x[..., :R], x[..., R:]
@@ -93,8 +97,8 @@ class Rotary:
             out = rot * cos + _rotate_half(rot) * sin
         return torch.cat([out, rest], dim=-1) if R < D else out  # (L, H, T, D) float32
 
-    def apply(self, k_pre: torch.Tensor, start: int = 0) -> torch.Tensor:
-        return self._rotate(k_pre, start, inverse=False)
+    def apply(self, k_pre: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self._rotate(k_pre, start, inverse=False, positions=positions)
 
     def undo(self, k: torch.Tensor, start: int = 0) -> torch.Tensor:
         return self._rotate(k, start, inverse=True)

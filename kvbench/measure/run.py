@@ -30,6 +30,7 @@ from kvbench.inputs.capture import cache_dtype, load_or_capture
 from kvbench.inputs.models import ModelHandle, model_identity
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.fit_draws import draw_spread
+from kvbench.measure.metrics.attention_error import AttentionError, ScoredQueries, continuation_queries
 from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.measure.metrics.paired_loss import recall_loss, task_loss
 from kvbench.measure.metrics.rate import bound_bits_per_token, rate_summary
@@ -65,24 +66,45 @@ def window_documents(manifest: dict, n: int) -> list[int]:
 _BASE_NLLS: dict[tuple, np.ndarray] = {}
 #: how many baseline spans this process has scored (rather than found in _BASE_NLLS)
 _BASE_SCORED = [0]
+#: the model's queries at a window's scored positions over its exact cache, keyed as _BASE_NLLS (the same for every
+#: cell on a trace); the oldest go once they hold more than QUERY_CACHE_BYTES
+_BASE_QUERIES: dict[tuple, ScoredQueries] = {}
+QUERY_CACHE_BYTES = 1 << 29
+
+
+def _per_window(store: dict, handle: ModelHandle, trace: str | None, i: int, it: Item, span: int, probe: str,
+                compute: Any) -> Any:
+    """``compute()`` for dataset window ``i`` of ``trace``, kept in ``store`` for the rest of the process (a model
+    built in the process, or no trace, is computed every time)."""
+    model = model_identity(handle)
+    if trace is None or model is None:
+        return compute()
+    key = (trace, model, str(handle.device), i, it.score_from, span, probe)
+    if key not in store:
+        store[key] = compute()
+    return store[key]
 
 
 def _base_nlls(handle: ModelHandle, trace: str | None, i: int, it: Item, cont: torch.Tensor | None = None,
                probe: str = "next") -> np.ndarray:
     """The baseline's per-token NLLs of ``cont`` (default: the held-out continuation) after dataset window ``i`` of
-    ``trace``, computed once per process (a model built in the process, or no trace, is scored every time)."""
+    ``trace``, computed once per process."""
     cont = it.continuation if cont is None else cont
 
     def score() -> np.ndarray:
         _BASE_SCORED[0] += 1
         return continuation_nlls(handle.model, it.kv.slice_tokens(0, it.score_from), cont)
-    model = model_identity(handle)
-    if trace is None or model is None:
-        return score()
-    key = (trace, model, str(handle.device), i, it.score_from, int(cont.numel()), probe)
-    if key not in _BASE_NLLS:
-        _BASE_NLLS[key] = score()
-    return _BASE_NLLS[key]
+    return _per_window(_BASE_NLLS, handle, trace, i, it, int(cont.numel()), probe, score)
+
+
+def _base_queries(handle: ModelHandle, trace: str | None, i: int, it: Item, n: int) -> ScoredQueries:
+    """The model's queries at ``n`` of window ``i``'s scored positions (:mod:`~kvbench.measure.metrics.attention_error`),
+    computed once per process while they fit in :data:`QUERY_CACHE_BYTES`."""
+    qs = _per_window(_BASE_QUERIES, handle, trace, i, it, int(it.continuation.numel()), f"queries/{n}",
+                     lambda: continuation_queries(handle.model, it.kv.slice_tokens(0, it.score_from), it.continuation, n))
+    while len(_BASE_QUERIES) > 1 and sum(q.nbytes for q in _BASE_QUERIES.values()) > QUERY_CACHE_BYTES:
+        del _BASE_QUERIES[next(iter(_BASE_QUERIES))]
+    return qs
 
 
 def recall_probe(tokens: torch.Tensor | None, start: float, span: int) -> torch.Tensor | None:
@@ -164,6 +186,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
     reused = 0  # scored items whose decoded cache is the captured one, bit for bit
     # metrics.reuse_exact_nll=false scores such a cache again: the check that both paths give the same NLLs
     reuse = bool(cfg.metrics.get("reuse_exact_nll", True))
+    attn, n_queries = AttentionError(), int(cfg.metrics.get("attn_queries", 0) or 0)
     for it, kv_hat in tqdm(list(zip(source.items, outs)), desc=f"{compressor.name}: score", unit="seq", leave=False,
                            disable=None):
         kv = it.kv
@@ -187,6 +210,9 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
                 reused += 1
             else:
                 nll_comp.append(continuation_nlls(handle.model, kv_hat.slice_tokens(0, it.score_from), it.continuation))
+            if n_queries > 0:
+                attn.add(_base_queries(handle, trace, len(nll_base) - 1, it, n_queries),
+                         kv.slice_tokens(0, it.score_from), kv_hat.slice_tokens(0, it.score_from))
             probe = recall_probe(None if kv.tokens is None else kv.tokens[: it.score_from], recall_start, recall_span)
             if probe is not None:
                 recall_of.append(len(nll_base) - 1)
@@ -228,6 +254,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "rel_mse_v_all": dist_all.rel_mse("v"),
         "cosine_k_all": dist_all.cosine("k"),
         "cosine_v_all": dist_all.cosine("v"),
+        **attn.summary(),  # the error the model's own queries see at the scored positions
         **rd_reference(kvs, dist, lossless, config if config is not None else _config_if_installed(handle),
                        compressor.kind_weights()),
         **task_loss(nll_base, nll_comp, cfg.metrics, source.fields.get("eval_documents")),
@@ -250,7 +277,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         NLL_KEY: (nll_base, nll_comp, (recall_base, recall_comp, recall_of)),  # the run directory's nll.npz
     }
     summary.update(draw_spread(cfg, compressor, handle, source, summary, recall_base, recall_of, code, recall_probe))
-    return summary, dist.rows()
+    return summary, attn.annotate(dist.rows())
 
 
 def _dropped_as_zero(x_hat: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
@@ -289,6 +316,7 @@ def format_summary(s: dict) -> str:
         ("compression ratio", f"{s['compression_ratio']:.3f}x vs 16-bit"),
         ("lossless", str(s["lossless"])),
         *_distortion_rows(s),
+        ("attn logit / output err", _attention_text(s)),
         ("NLL base / comp.", f"{s['nll_base']:.4f} / {s['nll_compressed']:.4f}  over {s.get('eval_tokens', 0):,} tokens"),
         ("delta NLL", _delta_text(s)),
         ("delta NLL, recall", _recall_text(s)),
@@ -312,6 +340,12 @@ def _distortion_rows(s: dict) -> list[tuple[str, str]]:
         rows.append(("rel MSE  K / V, all", f"{both('rel_mse', '_all', '.3e')}   cosine {both('cosine', '_all', '.4f')}  "
                                             "(all tokens, evicted as zero)"))
     return rows
+
+
+def _attention_text(s: dict) -> str:
+    n = s.get("attn_queries", 0)
+    return (f"{s.get('attn_logit_rel_mse', math.nan):.3e} / {s.get('attn_output_rel_err', math.nan):.3e}  "
+            f"(rel MSE of q.k / rel error of the attention output; {n} queries per window)")
 
 
 def _recall_text(s: dict) -> str:

@@ -86,6 +86,7 @@ ADDED_LATER = {
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
     ("metrics", "fit_draws"): 1,
+    ("metrics", "attn_queries"): 128,
 }
 
 

@@ -24,6 +24,7 @@ from kvbench.report.sections.section_types import Figures, Section, Table
 from kvbench.report.sections.selection import select
 from kvbench.report.sections.sequential_section import sequential
 from kvbench.report.sections.stepcost_section import stepcost
+from kvbench.report.sections.transfer_section import transfer
 from kvbench.sweep.studies_config import Study, studies
 
 __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
@@ -32,7 +33,7 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 #: section name -> the function that builds its tables and figures, in the report's order
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
-            "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd,
+            "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
             "stepcost": stepcost, "reliability": reliability}
 #: sections with no study: they show every run under the report's dirs

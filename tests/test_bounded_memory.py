@@ -1,0 +1,102 @@
+"""Capture and scoring in bounded memory on tiny random models: the chunked forward and LM head give the model's own
+log-probabilities and cache."""
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import DynamicCache
+
+from kvbench.core.kv import KVSequence
+from kvbench.core.rope import Rotary
+from kvbench.inputs import capture as capture_mod
+from kvbench.inputs import forward
+from kvbench.inputs.capture import capture_window
+from kvbench.measure.metrics.task_loss import continuation_nlls
+
+
+def tiny_gemma3(cap: float = 0.5):
+    """A tiny random Gemma 3: one sliding-window layer (window 8) and one full, two KV heads with per-head key
+    norms, final-logit soft-capping at ``cap`` (small, so that capping changes every log-probability)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=cap,
+                           max_position_embeddings=512)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _model_logprobs(model, ids):
+    """log p(ids[t+1] | ids[:t+1]) from the model's own forward: full (T, V) logits, one pass."""
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()  # (T, V)
+    return torch.log_softmax(logits, -1)[torch.arange(ids.numel() - 1), ids[1:]]  # (T-1,)
+
+
+@pytest.fixture()
+def small_blocks(monkeypatch):
+    """Blocks of 5 rows of logits and chunks of 7 tokens: every window of these tests spans several of each."""
+    monkeypatch.setattr(forward, "LOGIT_BYTES", 5 * 4 * 128)
+    monkeypatch.setattr(forward, "PREFILL_CHUNK", 7)
+    monkeypatch.setattr(forward, "SCORE_CHUNK", 3)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_chunked_logprobs_equal_the_models_own(make, small_blocks):
+    model = make()
+    assert forward.logit_rows(model) == 5
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))
+    got = forward.scored_forward(model, ids, DynamicCache(), ids[1:])  # (39,)
+    torch.testing.assert_close(got, _model_logprobs(model, ids), rtol=0, atol=1e-5)
+
+
+def test_soft_capping_is_applied_as_gemma_applies_it():
+    model = tiny_gemma3(cap=0.5)
+    ids = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = forward.decoder_of(model)(input_ids=ids[None]).last_hidden_state[0]  # (T, hidden)
+        torch.testing.assert_close(forward.logits_of(model, hidden), model(ids[None]).logits[0], rtol=0, atol=1e-6)
+    assert forward.logits_of(model, hidden).abs().max() <= 0.5  # capped: tanh bounds every logit by the cap
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_capture_in_chunks_matches_one_pass(make, small_blocks):
+    model = make()
+    ids = torch.randint(0, 128, (41,), generator=torch.Generator().manual_seed(3))
+    got = capture_window(model, ids, 40, torch.float32, pre_rope=True)
+    with torch.no_grad():
+        out = model(ids[:40][None], cache=DynamicCache(), use_cache=True)  # one pass, the model's own forward
+    k = torch.stack([layer.keys[0] for layer in out.cache.layers])  # (L, H, T, D)
+    v = torch.stack([layer.values[0] for layer in out.cache.layers])  # (L, H, T, D)
+    assert got["k"].shape == k.shape and k.shape[2] == 40  # sliding-window layers keep all 40 tokens
+    torch.testing.assert_close(got["k"], k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["v"], v, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["logprobs"], _model_logprobs(model, ids[:40]), rtol=0, atol=1e-5)
+    # the keys before RoPE, rotated at their positions, are the cached ones
+    torch.testing.assert_close(Rotary(model.config).apply(got["k_pre_rope"], 0), k, rtol=0, atol=1e-5)
+
+
+def test_capture_frees_each_float32_layer_once_copied(tiny_model):
+    cache = DynamicCache()
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(4))
+    forward.scored_forward(tiny_model, ids, cache, ids[1:])
+    keys = [layer.keys.clone() for layer in cache.layers]
+    k, _ = capture_mod._cache_kv(cache, torch.float16, 20)
+    assert all(layer.keys is None and layer.values is None for layer in cache.layers)
+    assert torch.equal(k, torch.stack([x[0] for x in keys]).half())
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+def test_continuation_scored_in_chunks_equals_one_pass(tiny_model, small_blocks, monkeypatch, evicted):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (50,), generator=g)
+    got = capture_window(tiny_model, ids, 30, torch.float32)
+    kept = torch.rand(2, 2, 30, generator=g) > 0.4 if evicted else None  # (L, H, T)
+    kv = KVSequence(got["k"], got["v"], ids[:30], kept=kept)
+    chunked = continuation_nlls(tiny_model, kv, ids[29:])
+    monkeypatch.setattr(forward, "SCORE_CHUNK", 64)  # one pass
+    monkeypatch.setattr(forward, "LOGIT_BYTES", 1 << 30)  # one block
+    one = continuation_nlls(tiny_model, kv, ids[29:])
+    assert chunked.shape == (20,)
+    assert abs(chunked - one).max() < 1e-5

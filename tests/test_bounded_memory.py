@@ -1,5 +1,5 @@
 """Capture and scoring in bounded memory on tiny random models: the chunked forward and LM head give the model's own
-log-probabilities and cache."""
+log-probabilities and cache, and every run summary records the peak resident memory."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from kvbench.inputs import capture as capture_mod
 from kvbench.inputs import forward
 from kvbench.inputs.capture import capture_window
 from kvbench.measure.metrics.task_loss import continuation_nlls
+from kvbench.sweep.cells import run_cell
 
 
 def tiny_gemma3(cap: float = 0.5):
@@ -100,3 +101,10 @@ def test_continuation_scored_in_chunks_equals_one_pass(tiny_model, small_blocks,
     one = continuation_nlls(tiny_model, kv, ids[29:])
     assert chunked.shape == (20,)
     assert abs(chunked - one).max() < 1e-5
+
+
+def test_every_run_summary_records_the_peak_resident_memory(tiny_cfg, tiny_handle):
+    summary = run_cell("run", tiny_cfg("+compressor=identity"), tiny_handle).summary
+    assert summary["peak_rss_gb"] > 0.05  # the interpreter with torch alone is more
+    cell = summary["peak_rss_gb_cell"]
+    assert cell is None or 0 < cell <= summary["peak_rss_gb"]

@@ -1,5 +1,8 @@
 """Capture and scoring in bounded memory on tiny random models: the chunked forward and LM head give the model's own
-log-probabilities and cache, and every run summary records the peak resident memory."""
+log-probabilities and cache, a window that runs past the model's positions is refused before the model runs, and
+every run summary records the peak resident memory."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ from kvbench.core.kv import KVSequence
 from kvbench.core.rope import Rotary
 from kvbench.inputs import capture as capture_mod
 from kvbench.inputs import forward
-from kvbench.inputs.capture import capture_window
+from kvbench.inputs.capture import capture_command, capture_window, default_trace_dir
+from kvbench.inputs.positions import BeyondPositions, position_limit
 from kvbench.measure.metrics.task_loss import continuation_nlls
 from kvbench.sweep.cells import run_cell
 
@@ -101,6 +105,38 @@ def test_continuation_scored_in_chunks_equals_one_pass(tiny_model, small_blocks,
     one = continuation_nlls(tiny_model, kv, ids[29:])
     assert chunked.shape == (20,)
     assert abs(chunked - one).max() < 1e-5
+
+
+def test_a_window_beyond_the_models_positions_is_refused_unless_allowed(tiny_cfg, tiny_handle):
+    # the tiny model has 512 positions; 500 + 16 continuation tokens run past them
+    window = ("+compressor=identity", "dataset.seq_len=500", "dataset.eval_len=16", "dataset.n_sequences=1",
+              "metrics.recall_tokens=0")
+    cfg = tiny_cfg(*window)
+    with pytest.raises(BeyondPositions) as e:
+        run_cell("run", cfg, tiny_handle)
+    msg = str(e.value)
+    for part in ("dataset.seq_len=500", "516 positions", "512 (max_position_embeddings)",
+                 "dataset.allow_beyond_positions=true"):
+        assert part in msg
+    assert not default_trace_dir(cfg).exists()  # refused before any work
+    # 460 + 16 fit, but the long-range probe feeds 64 tokens after the prefix
+    with pytest.raises(BeyondPositions, match=r"metrics.recall_tokens=64 feeds the model 524 positions"):
+        run_cell("run", tiny_cfg("+compressor=identity", "dataset.seq_len=460", "dataset.eval_len=16"), tiny_handle)
+    allowed = tiny_cfg(*window, "dataset.allow_beyond_positions=true")
+    summary = run_cell("run", allowed, tiny_handle).summary
+    assert summary["allow_beyond_positions"] is True and summary["n_tokens"] == 500
+    assert "dataset.allow_beyond_positions=true" in capture_command(allowed)
+    assert "allow_beyond_positions" not in capture_command(cfg)
+
+
+def test_positions_come_from_the_config_or_its_declared_rope_scaling():
+    assert position_limit(SimpleNamespace(max_position_embeddings=8192)) == (8192, "max_position_embeddings")
+    yarn = SimpleNamespace(max_position_embeddings=32768, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6})
+    assert position_limit(yarn)[0] == 131072 and "yarn" in position_limit(yarn)[1]
+    per_layer_type = SimpleNamespace(max_position_embeddings=32768, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {"rope_type": "default"}})
+    assert position_limit(per_layer_type)[0] == 32768  # no original positions declared: the config's own
 
 
 def test_every_run_summary_records_the_peak_resident_memory(tiny_cfg, tiny_handle):

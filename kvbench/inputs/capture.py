@@ -37,6 +37,7 @@ from kvbench.inputs.data import draw_windows, load_documents
 from kvbench.inputs.forward import decoder_of, scored_forward
 from kvbench.inputs.layout import ROLES, capture_windows, windows_drawn
 from kvbench.inputs.models import ModelHandle, describe
+from kvbench.inputs.positions import check_positions
 from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
 from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
 from kvbench.store.paths import home
@@ -240,6 +241,8 @@ def capture_command(cfg: Any, out: Path | None = None) -> str:
             args.append(f"dataset.{name}={value}")
     if _setting(cfg, "dataset.split") not in (None, "test"):
         args.append(f"dataset.split={_setting(cfg, 'dataset.split')}")
+    if _setting(cfg, "dataset.allow_beyond_positions"):
+        args.append("dataset.allow_beyond_positions=true")
     args.append(f"dtype={_setting(cfg, 'dtype')}")
     if _setting(cfg, "capture.pre_rope"):
         args.append("capture.pre_rope=true")
@@ -248,13 +251,24 @@ def capture_command(cfg: Any, out: Path | None = None) -> str:
     return "python -m kvbench capture " + " ".join(shlex.quote(a) for a in args)
 
 
+def check_window(cfg: Any, handle: ModelHandle, held_windows: int) -> None:
+    """Refuse the config's window before the model is loaded or run: one beyond the model's positions
+    (:mod:`kvbench.inputs.positions`, unless ``dataset.allow_beyond_positions``)."""
+    config = handle.config
+    if config is None:
+        return  # no model to run
+    check_positions(cfg.dataset, _setting(cfg, "metrics"), config, cfg.model.name)
+
+
 def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:
     """Capture the ``n_sequences`` evaluated windows of ``dataset.split`` and the ``n_calib`` calibration windows
-    into ``out`` (written atomically, its manifest sealed with every file's hash)."""
+    into ``out`` (written atomically, its manifest sealed with every file's hash), once :func:`check_window` lets
+    the window through."""
     from tqdm import tqdm
 
     check_trace_folder(out)
     ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
+    check_window(cfg, handle, int(ds.n_sequences) + int(ds.n_calib))
     every, docs = dataset_windows(ds, handle.tokenizer)
     evaluated, calibration = capture_windows(ds, split_of(ds))
     taken = evaluated + calibration
@@ -338,6 +352,11 @@ def load_trace(path: Path, rebuild: str | None = None) -> Trace:
             raise damaged(f, f"is not a readable trace window ({type(e).__name__}: {e})", fix) from e
         seqs.append(TraceSequence(kv, t["tokens"][T:], t["logprobs"], role))
     return Trace(path, manifest, seqs)
+
+
+def trace_stored(cfg: Any) -> bool:
+    """Whether the config's trace is on disk (``trace=PATH``, or the cached capture): a run need not capture it."""
+    return bool(cfg.trace) or (default_trace_dir(cfg) / "manifest.json").exists()
 
 
 def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:

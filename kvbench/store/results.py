@@ -83,6 +83,7 @@ NOT_KEYED_METRICS = ("resume",)
 #: the value under which the run measures what those runs measured, so those runs keep their keys
 ADDED_LATER = {
     ("dataset", "split"): "test",
+    ("dataset", "allow_beyond_positions"): False,
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
     ("metrics", "fit_draws"): 1,

@@ -1,6 +1,6 @@
 """Capture and scoring in bounded memory on tiny random models: the chunked forward and LM head give the model's own
-log-probabilities and cache, a window that runs past the model's positions is refused before the model runs, and
-every run summary records the peak resident memory."""
+log-probabilities and cache, a window that cannot fit or that runs past the model's positions is refused before the
+model runs, and every run summary records the peak resident memory."""
 
 from types import SimpleNamespace
 
@@ -9,13 +9,16 @@ import torch
 from conftest import tiny_llama
 from transformers import DynamicCache
 
+from kvbench.core.config import make_compressor
 from kvbench.core.kv import KVSequence
 from kvbench.core.rope import Rotary
 from kvbench.inputs import capture as capture_mod
 from kvbench.inputs import forward
-from kvbench.inputs.capture import capture_command, capture_window, default_trace_dir
+from kvbench.inputs.capture import capture_command, capture_window, default_trace_dir, load_or_capture
+from kvbench.inputs.footprint import WindowTooLarge, estimate, parameters
 from kvbench.inputs.positions import BeyondPositions, position_limit
 from kvbench.measure.metrics.task_loss import continuation_nlls
+from kvbench.measure.run import measure
 from kvbench.sweep.cells import run_cell
 
 
@@ -105,6 +108,45 @@ def test_continuation_scored_in_chunks_equals_one_pass(tiny_model, small_blocks,
     one = continuation_nlls(tiny_model, kv, ids[29:])
     assert chunked.shape == (20,)
     assert abs(chunked - one).max() < 1e-5
+
+
+def test_parameters_from_the_config_count_the_model(tiny_model):
+    for model in (tiny_model, tiny_gemma3()):
+        actual = sum(p.numel() for p in model.parameters())
+        assert parameters(model.config) == pytest.approx(actual, rel=0.01)  # norms are left out
+
+
+def test_the_estimate_grows_with_the_window(tiny_model):
+    small = estimate(tiny_model.config, 1000, 100, 3, 2, loaded=True)
+    big = estimate(tiny_model.config, 4000, 100, 3, 2, loaded=True)
+    per_token = 2 * 2 * 2 * 16  # K and V x layers x KV heads x head_dim
+    assert small.kv_float32 == 4 * per_token * (1000 + 100)  # float32, the prefix and the scored tokens
+    assert small.kv_held == 2 * per_token * 1000 * 3  # 16-bit, the prefix, 3 windows
+    assert big.kv_float32 - small.kv_float32 == 4 * per_token * 3000
+    assert big.working > small.working and big.total > small.total
+    assert small.weights == 4 * parameters(tiny_model.config)
+
+
+def test_a_window_over_the_memory_limit_is_refused_before_the_model_runs(tiny_cfg, tiny_handle):
+    cfg = tiny_cfg("+compressor=identity", "memory.limit_gb=0.01")
+    with pytest.raises(WindowTooLarge) as e:
+        measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "needs an estimated" in msg and "the limit is 0.01 GB (memory.limit_gb=0.01)" in msg
+    assert not default_trace_dir(cfg).exists()  # nothing captured
+    with pytest.raises(WindowTooLarge, match="memory.limit_gb=0.01"):
+        capture_mod.capture(cfg, tiny_handle, default_trace_dir(cfg))
+    measure(tiny_cfg("+compressor=identity", "memory.limit_gb=20"), make_compressor(cfg.compressor), tiny_handle)
+
+
+def test_a_stored_trace_is_refused_before_scoring_on_it(tiny_cfg, tiny_handle):
+    load_or_capture(tiny_cfg(), tiny_handle)
+    cfg = tiny_cfg("+compressor=identity", "memory.limit_gb=0.01")
+    with pytest.raises(WindowTooLarge):
+        measure(cfg, make_compressor(cfg.compressor), tiny_handle)
+    measure(tiny_cfg("+compressor=identity", "memory.limit_gb=0.01", "metrics.nll=false"),
+            make_compressor(cfg.compressor), tiny_handle)  # no model runs: nothing to refuse
 
 
 def test_a_window_beyond_the_models_positions_is_refused_unless_allowed(tiny_cfg, tiny_handle):

@@ -34,10 +34,11 @@ from kvbench import __version__
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.data import draw_windows, load_documents
+from kvbench.inputs.footprint import check_fits, estimate
 from kvbench.inputs.forward import decoder_of, scored_forward
 from kvbench.inputs.layout import ROLES, capture_windows, windows_drawn
 from kvbench.inputs.models import ModelHandle, describe
-from kvbench.inputs.positions import check_positions
+from kvbench.inputs.positions import check_positions, window_positions
 from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
 from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
 from kvbench.store.paths import home
@@ -253,11 +254,16 @@ def capture_command(cfg: Any, out: Path | None = None) -> str:
 
 def check_window(cfg: Any, handle: ModelHandle, held_windows: int) -> None:
     """Refuse the config's window before the model is loaded or run: one beyond the model's positions
-    (:mod:`kvbench.inputs.positions`, unless ``dataset.allow_beyond_positions``)."""
-    config = handle.config
+    (:mod:`kvbench.inputs.positions`, unless ``dataset.allow_beyond_positions``), or one whose estimated peak while
+    ``held_windows`` windows are held exceeds the memory limit (:mod:`kvbench.inputs.footprint`)."""
+    ds, metrics, config = cfg.dataset, _setting(cfg, "metrics"), handle.config
     if config is None:
         return  # no model to run
-    check_positions(cfg.dataset, _setting(cfg, "metrics"), config, cfg.model.name)
+    check_positions(ds, metrics, config, cfg.model.name)
+    scored = window_positions(ds, metrics) - int(ds.seq_len)
+    fp = estimate(config, int(ds.seq_len), scored, held_windows, cache_dtype(cfg.dtype).itemsize, handle.loaded)
+    check_fits(fp, _setting(cfg, "memory.limit_gb"), f"dataset.seq_len={ds.seq_len} (+ {scored} scored tokens) on "
+               f"{cfg.model.name}, {held_windows} windows held")
 
 
 def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:

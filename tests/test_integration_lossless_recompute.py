@@ -58,6 +58,7 @@ def test_recompute_decodes_one_token_per_step_then_prefills_once(handle):
     from kvbench.coding.bitstream import Bitstream
     from kvbench.core.kv import Context, KVSequence
     from kvbench.inputs.capture import capture_window
+    from kvbench.inputs.forward import decoder_of
 
     ids = torch.tensor(handle.tokenizer("Four score and seven years ago our fathers brought forth").input_ids)
     T = ids.numel()
@@ -66,7 +67,8 @@ def test_recompute_decodes_one_token_per_step_then_prefills_once(handle):
     ctx = Context.for_kv(kv, handle)
     bs = Recompute().encode(kv, ctx)
     calls = []
-    hook = handle.model.register_forward_pre_hook(lambda _m, args, kwargs: calls.append(
+    # on the decoder stack: the prefill runs it without the LM head (kvbench.inputs.forward), a decoding step with it
+    hook = decoder_of(handle.model).register_forward_pre_hook(lambda _m, args, kwargs: calls.append(
         (args[0] if args else kwargs["input_ids"]).shape[-1]), with_kwargs=True)
     try:
         out = Recompute().decode(Bitstream.from_bytes(bs.data), ctx)

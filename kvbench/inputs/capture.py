@@ -34,8 +34,11 @@ from kvbench import __version__
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.data import draw_windows, load_documents
+from kvbench.inputs.footprint import check_fits, estimate
+from kvbench.inputs.forward import decoder_of, scored_forward
 from kvbench.inputs.layout import ROLES, capture_windows, windows_drawn
 from kvbench.inputs.models import ModelHandle, describe
+from kvbench.inputs.positions import check_positions, window_positions
 from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
 from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
 from kvbench.store.paths import home
@@ -81,52 +84,71 @@ class Trace:
 
 @torch.no_grad()
 def capture_window(model: Any, ids: torch.Tensor, seq_len: int, dtype: torch.dtype, pre_rope: bool = False) -> dict[str, torch.Tensor]:
-    """Prefill ``ids[:seq_len]`` and return the KV, the token log-probs and (optionally) pre-RoPE keys."""
+    """Prefill ``ids[:seq_len]`` and return the KV, the token log-probs and (optionally) pre-RoPE keys.
+
+    The prefix goes through the decoder stack in chunks and its log-probs through the LM head in blocks of rows
+    (:func:`kvbench.inputs.forward.scored_forward`: no ``(T, vocab)`` logits), and the float32 cache is copied into
+    the cache dtype one layer at a time, each layer freed once copied (:func:`_cache_kv`), so the peak stays near
+    one float32 cache of the window plus a working set that does not grow with the vocabulary."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    prefix = ids[:seq_len].unsqueeze(0).to(device)  # (1, T)
-    hooks, pre = [], []
-    if pre_rope:
-        for layer in _decoder_layers(model):
-            attn = layer.self_attn
-            mod = getattr(attn, "k_norm", None) or attn.k_proj
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: pre.append(out.detach())))
+    prefix = ids[:seq_len].to(device)  # (T,)
+    layers = decoder_of(model).layers
+    pre: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, one block per chunk fed
+
+    def keep(i: int, attn: Any) -> Any:
+        return lambda _m, _i, out: pre[i].append(_pre_rope_keys(attn, out).to("cpu", dtype))  # (H, c, D)
+
+    hooks = [layer.self_attn.k_proj.register_forward_hook(keep(i, layer.self_attn))
+             for i, layer in enumerate(layers)] if pre_rope else []
     try:
         cache = DynamicCache()  # full layers only: sliding-window layers keep all T tokens
-        out = model(prefix, cache=cache, use_cache=True)
+        logprobs = scored_forward(model, prefix, cache, prefix[1:])  # (T-1,)
     finally:
         for h in hooks:
             h.remove()
-    cache = out.cache if getattr(out, "cache", None) is not None else cache
-    k = torch.stack([layer.keys[0] for layer in cache.layers]).to(dtype).cpu()  # (L, H, T, D)
-    v = torch.stack([layer.values[0] for layer in cache.layers]).to(dtype).cpu()  # (L, H, T, D)
-    if k.shape[2] != seq_len:
-        raise RuntimeError(f"captured {k.shape[2]} tokens of KV for a {seq_len}-token prefix (truncating cache?)")
-    logprobs = _token_logprobs(out.logits[0, :-1], prefix[0, 1:])  # (T-1,)
+    k, v = _cache_kv(cache, dtype, seq_len)  # (L, H, T, D) each
     result = {"k": k, "v": v, "logprobs": logprobs.cpu()}
     if pre_rope:
-        H, D = k.shape[1], k.shape[3]
-        kp = [p[0].reshape(seq_len, H, D).transpose(0, 1) for p in pre]  # each (H, T, D)
-        result["k_pre_rope"] = torch.stack(kp).to(dtype).cpu()
+        result["k_pre_rope"] = torch.stack([torch.cat(p, dim=1) for p in pre])  # (L, H, T, D)
     return result
 
 
-def _decoder_layers(model: Any) -> list[Any]:
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return list(inner.layers)
+def _pre_rope_keys(attn: Any, out: torch.Tensor) -> torch.Tensor:
+    """The keys before RoPE ``(H, c, D)`` from one chunk's ``k_proj`` output ``(1, c, H * D)``, with the layer's
+    ``k_norm`` applied where it has one, over each head (Gemma 3, Qwen 3) or over all heads at once (OLMo 2) as its
+    weight's size says: the model's own layouts around the norm differ, its input does not."""
+    D = attn.head_dim
+    k = out.detach()[0].view(out.shape[1], -1, D)  # (c, H, D)
+    norm = getattr(attn, "k_norm", None)
+    if norm is not None:
+        weight = getattr(norm, "weight", None)
+        k = norm(k) if weight is None or weight.shape[-1] == D else norm(k.flatten(1)).view_as(k)
+    return k.transpose(0, 1)  # (H, c, D)
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target_t) for each row of ``logits`` (T, V); the fused cross-entropy kernel never materialises a
-    (T, V) log-softmax, which keeps capture within a few percent of a bare forward pass."""
-    return -torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")  # (T,)
+def _cache_kv(cache: Any, dtype: torch.dtype, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's K and V of ``cache`` as ``(L, H, T, D)`` in ``dtype`` on the CPU. Each float32 layer is
+    released from the cache as soon as it is copied, so the float32 cache and its copy never coexist in full."""
+    layers = cache.layers
+    _, H, T, D = layers[0].keys.shape
+    k = torch.empty((len(layers), H, T, D), dtype=dtype)  # (L, H, T, D)
+    v = torch.empty_like(k)  # (L, H, T, D)
+    for i, layer in enumerate(layers):
+        if layer.keys.shape[2] != seq_len:
+            raise RuntimeError(f"captured {layer.keys.shape[2]} tokens of KV in layer {i} for a {seq_len}-token prefix "
+                               "(truncating cache?)")
+        k[i].copy_(layer.keys[0])
+        v[i].copy_(layer.values[0])
+        layer.keys = layer.values = None  # the float32 layer's only reference
+    return k, v
 
 
 #: the modules whose code decides what a captured trace holds (windows drawn from the text, the model as loaded, the
 #: forward pass and what is kept of it): their source is part of every trace's cache key
-CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.data", "kvbench.inputs.layout", "kvbench.inputs.models",
-                "kvbench.core.kv")
+CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.forward", "kvbench.inputs.data", "kvbench.inputs.layout",
+                "kvbench.inputs.models", "kvbench.core.kv")
 
 
 def capture_code_version() -> str:
@@ -220,6 +242,8 @@ def capture_command(cfg: Any, out: Path | None = None) -> str:
             args.append(f"dataset.{name}={value}")
     if _setting(cfg, "dataset.split") not in (None, "test"):
         args.append(f"dataset.split={_setting(cfg, 'dataset.split')}")
+    if _setting(cfg, "dataset.allow_beyond_positions"):
+        args.append("dataset.allow_beyond_positions=true")
     args.append(f"dtype={_setting(cfg, 'dtype')}")
     if _setting(cfg, "capture.pre_rope"):
         args.append("capture.pre_rope=true")
@@ -228,13 +252,29 @@ def capture_command(cfg: Any, out: Path | None = None) -> str:
     return "python -m kvbench capture " + " ".join(shlex.quote(a) for a in args)
 
 
+def check_window(cfg: Any, handle: ModelHandle, held_windows: int) -> None:
+    """Refuse the config's window before the model is loaded or run: one beyond the model's positions
+    (:mod:`kvbench.inputs.positions`, unless ``dataset.allow_beyond_positions``), or one whose estimated peak while
+    ``held_windows`` windows are held exceeds the memory limit (:mod:`kvbench.inputs.footprint`)."""
+    ds, metrics, config = cfg.dataset, _setting(cfg, "metrics"), handle.config
+    if config is None:
+        return  # no model to run
+    check_positions(ds, metrics, config, cfg.model.name)
+    scored = window_positions(ds, metrics) - int(ds.seq_len)
+    fp = estimate(config, int(ds.seq_len), scored, held_windows, cache_dtype(cfg.dtype).itemsize, handle.loaded)
+    check_fits(fp, _setting(cfg, "memory.limit_gb"), f"dataset.seq_len={ds.seq_len} (+ {scored} scored tokens) on "
+               f"{cfg.model.name}, {held_windows} windows held")
+
+
 def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> Trace:
     """Capture the ``n_sequences`` evaluated windows of ``dataset.split`` and the ``n_calib`` calibration windows
-    into ``out`` (written atomically, its manifest sealed with every file's hash)."""
+    into ``out`` (written atomically, its manifest sealed with every file's hash), once :func:`check_window` lets
+    the window through."""
     from tqdm import tqdm
 
     check_trace_folder(out)
     ds, dtype = cfg.dataset, cache_dtype(cfg.dtype)
+    check_window(cfg, handle, int(ds.n_sequences) + int(ds.n_calib))
     every, docs = dataset_windows(ds, handle.tokenizer)
     evaluated, calibration = capture_windows(ds, split_of(ds))
     taken = evaluated + calibration
@@ -318,6 +358,11 @@ def load_trace(path: Path, rebuild: str | None = None) -> Trace:
             raise damaged(f, f"is not a readable trace window ({type(e).__name__}: {e})", fix) from e
         seqs.append(TraceSequence(kv, t["tokens"][T:], t["logprobs"], role))
     return Trace(path, manifest, seqs)
+
+
+def trace_stored(cfg: Any) -> bool:
+    """Whether the config's trace is on disk (``trace=PATH``, or the cached capture): a run need not capture it."""
+    return bool(cfg.trace) or (default_trace_dir(cfg) / "manifest.json").exists()
 
 
 def load_or_capture(cfg: Any, handle: ModelHandle) -> Trace:

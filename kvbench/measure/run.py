@@ -26,8 +26,9 @@ from kvbench.core.machine import conditions
 from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
-from kvbench.inputs.capture import cache_dtype, load_or_capture
+from kvbench.inputs.capture import cache_dtype, check_window, load_or_capture, trace_stored
 from kvbench.inputs.models import ModelHandle, model_identity
+from kvbench.inputs.positions import allowed_beyond
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.fit_draws import draw_spread
 from kvbench.measure.metrics.attention_error import AttentionError, ScoredQueries, continuation_queries
@@ -40,8 +41,15 @@ from kvbench.store.results import NLL_KEY, git_sha
 
 
 def trace_source(cfg: Any, handle: ModelHandle) -> Source:
-    """The dataset's evaluation windows (captured once, then reused), each scored on its held-out continuation."""
+    """The dataset's evaluation windows (captured once, then reused), each scored on its held-out continuation; a
+    window the model cannot take (its positions, the memory) is refused before the model is loaded or run."""
+    held = 2 * int(cfg.dataset.n_sequences) + int(cfg.dataset.n_calib)  # the trace's windows, a decoded copy of each
+    stored = trace_stored(cfg)
+    if not stored:
+        check_window(cfg, handle, held)  # before capturing it
     trace = load_or_capture(cfg, handle)
+    if stored and cfg.metrics.nll:
+        check_window(cfg, handle, held)  # before scoring on it
     if trace.manifest["dtype"] != cfg.dtype:
         raise ValueError(f"trace {trace.path} holds {trace.manifest['dtype']} KV but dtype={cfg.dtype} was asked for")
     ev = trace.eval
@@ -267,6 +275,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         **source.fields,
         "dtype": cfg.dtype,
         "device": cfg.device,
+        "allow_beyond_positions": allowed_beyond(cfg.dataset),
         "compressor_params": compressor.describe(),
         "compressor_facts": compressor.facts(context),
         "compressor_stats": codec.stats(),

@@ -14,8 +14,8 @@ Every command that measures (``run``, ``eval``, ``latency``, ``restore``, ``step
                            per-token NLLs, float32 (:func:`read_nll`), what its delta-NLL interval resamples; and
                            the long-range probe's, per copy span (``read_nll(dir, "recall")``)
 
-``cell_key`` identifies what was measured: the resolved config without output paths, resume flags or the code
-version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a config that
+``cell_key`` identifies what was measured: the resolved config without output paths, resume flags, the memory limit
+or the code version, with the compressor node replaced by the instantiated compressor's full hyperparameters (so a config that
 leaves a field at its default keys the same as one that names it), less any field its class lists in ``added_later`` at
 the value named there (:meth:`kvbench.core.compressor.Compressor.keyed`: a field added to a published coder does
 not orphan its earlier runs). The code version (``git_sha``) is kept
@@ -75,14 +75,16 @@ KINDS = {
     "reliability": Kind("reliability", "reliability-", "reliability.json", "reliability.parquet"),
 }
 
-#: top-level config nodes that say where results go or whether to reuse them, not what is measured
-NOT_KEYED = ("paths", "hydra")
+#: top-level config nodes that say where results go, whether to reuse them or how much memory a run may take, not
+#: what is measured
+NOT_KEYED = ("paths", "hydra", "memory")
 #: metrics.* fields that steer the command, not the measurement
 NOT_KEYED_METRICS = ("resume", "reuse_exact_nll")
 #: (node, field) -> value: config fields added after runs were filed without them, left out of the key while they hold
 #: the value under which the run measures what those runs measured, so those runs keep their keys
 ADDED_LATER = {
     ("dataset", "split"): "test",
+    ("dataset", "allow_beyond_positions"): False,
     ("latency", "baselines"): [],
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
     ("metrics", "fit_draws"): 1,

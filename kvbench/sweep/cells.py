@@ -8,6 +8,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kvbench.core.config import compose, make_compressor
+from kvbench.core.rss import peak_fields, start_cell
 from kvbench.store.results import Outcome, cell_key, latest, reuse_or_measure, root_of
 from kvbench.sweep.commands import function, measuring
 
@@ -36,15 +37,17 @@ def finished(kind: str, cfg: Any, same_code: bool = False) -> dict | None:
 def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra: dict | None = None,
              **measure_kw: Any) -> Outcome:
     """Reuse the newest finished run of ``cfg`` (``resume``: default ``cfg.metrics.resume``; see
-    :func:`kvbench.store.results.resume_mode`) or measure it with ``kind``'s function and write it, with ``extra``
-    fields (e.g. the machine's load while it ran) added to the measured summary."""
+    :func:`kvbench.store.results.resume_mode`) or measure it with ``kind``'s function and write it, with the peak
+    resident memory (:func:`kvbench.core.rss.peak_fields`) and ``extra`` fields (e.g. the machine's load while it
+    ran) added to the measured summary."""
     compressor = make_compressor(cfg.get("compressor"))
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     measure = function(measuring(kind).measure)
     resume = cfg.metrics.resume if resume is None else resume
 
     def measured() -> tuple[dict, list[dict]]:
+        start_cell()  # the cell's own peak memory, apart from earlier cells of this process
         summary, rows = measure(cfg, compressor, handle, **measure_kw)
-        return {**summary, **(extra or {})}, rows
+        return {**summary, **peak_fields(), **(extra or {})}, rows
 
     return reuse_or_measure(kind, cfg_dict, compressor.name, compressor.keyed(), measured, resume)

@@ -1,4 +1,8 @@
-"""Task loss with a given cache: the held-out continuation scored on top of a (reconstructed) prefix KV."""
+"""Task loss with a given cache: the held-out continuation scored on top of a (reconstructed) prefix KV.
+
+The continuation is fed :data:`~kvbench.inputs.forward.SCORE_CHUNK` tokens at a time and its log-probs are taken
+through the LM head in blocks of rows (:func:`kvbench.inputs.forward.scored_forward`), so scoring holds the float32
+cache of the window and a working set that grows neither with the continuation's length nor with the vocabulary."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 
 from kvbench.cache.eviction_mask import hide_evicted
 from kvbench.core.kv import KVSequence
+from kvbench.inputs import forward
 
 
 def build_cache(model: Any, kv: KVSequence) -> Any:
@@ -28,12 +33,10 @@ def build_cache(model: Any, kv: KVSequence) -> Any:
 def continuation_nlls(model: Any, kv: KVSequence, continuation: torch.Tensor) -> np.ndarray:
     """Per-token NLL (nats), ``(E,)``, of ``continuation[1:]`` given the prefix cache ``kv`` and
     ``continuation[:-1]``: the unit that paired intervals resample."""
-    device = next(model.parameters()).device
-    ids = continuation.to(device)
     with hide_evicted(model, kv.kept):  # a token-eviction decoder's dropped entries stay out of attention
-        out = model(ids[:-1].unsqueeze(0), cache=build_cache(model, kv), use_cache=True)
-    nll = torch.nn.functional.cross_entropy(out.logits[0].float(), ids[1:], reduction="none")  # (E,)
-    return nll.double().cpu().numpy()
+        logprobs = forward.scored_forward(model, continuation[:-1], build_cache(model, kv), continuation[1:],
+                                          forward.SCORE_CHUNK)  # (E,)
+    return (-logprobs).double().cpu().numpy()
 
 
 def continuation_nll(model: Any, kv: KVSequence, continuation: torch.Tensor) -> float:

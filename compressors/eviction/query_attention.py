@@ -64,7 +64,8 @@ def capture_queries(owner: str, kv: KVSequence, ctx: Context, first: int) -> Que
     q_pre, k_pre, scaling, sliding, softcap = [], [], [], [], []
 
     def hook(attn: Any, args: tuple, kwargs: dict) -> None:
-        hidden = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).float()  # (1, T, hidden)
+        # in the model's dtype, as its projections take it; the queries are kept in float32 below
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (1, T, hidden)
         D = attn.head_dim
         q = attn.q_proj(hidden[:, first:]).view(1, T - first, -1, D).transpose(1, 2)  # (1, Hq, n, D)
         k = attn.k_proj(hidden).view(1, T, -1, D).transpose(1, 2)  # (1, H, T, D)

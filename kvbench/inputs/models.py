@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvbench.core.config import default_model_dtype
 from kvbench.inputs.assets import MODELS, AssetError, ensure_model
+
+#: ``model.dtype``: what the weights are loaded in (the cache's own dtype is the run's ``dtype``)
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``model.attn_implementation``: the attention kernels transformers runs. Methods that need attention weights
+#: recompute them from captured queries (compressors/eviction/query_attention.py), so none needs ``eager``.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+#: what every run before these fields loaded: float32 weights, transformers' default attention
+MODEL_DEFAULTS = {"attn_implementation": "sdpa"}
 
 
 @dataclass
@@ -58,13 +68,68 @@ def describe(model: Any, name: str, source: str, meta: dict | None = None) -> Mo
     return ModelInfo(name, source, c.num_hidden_layers, c.num_attention_heads, n_kv, head_dim, c.vocab_size, types, meta or {})
 
 
+def _get(model_cfg: Any, key: str, default: Any = None) -> Any:
+    return model_cfg.get(key, default) if hasattr(model_cfg, "get") else getattr(model_cfg, key, default)
+
+
+def model_dtype_name(model_cfg: Any, device: str = "cpu") -> str:
+    """``model.dtype``, or the device's default where the config leaves it null (or has no such field)."""
+    return str(_get(model_cfg, "dtype") or default_model_dtype(device))
+
+
+def attn_implementation(model_cfg: Any) -> str:
+    return str(_get(model_cfg, "attn_implementation") or MODEL_DEFAULTS["attn_implementation"])
+
+
 def model_identity(handle: Any) -> tuple | None:
-    """The model's name and path as the run's config gives them: what per-process and stored baselines are keyed by;
-    None for a model built in this process (its weights have no name)."""
+    """The model's name and path as the run's config gives them, and its dtype and attention where they are not the
+    float32 and sdpa every earlier run had (so their stored baselines keep their keys): what per-process and stored
+    baselines are keyed by; None for a model built in this process (its weights have no name)."""
     if (getattr(handle, "_meta", None) or {}).get("built_in_process"):
         return None
     cfg = handle.cfg
-    return tuple(str(cfg.get(k)) for k in ("name", "path")) if hasattr(cfg, "get") else (str(cfg),)
+    if not hasattr(cfg, "get"):
+        return (str(cfg),)
+    ident = tuple(str(cfg.get(k)) for k in ("name", "path"))
+    if (dtype := model_dtype_name(cfg, handle.device)) != "float32":
+        ident += (f"dtype={dtype}",)
+    if (attn := attn_implementation(cfg)) != MODEL_DEFAULTS["attn_implementation"]:
+        ident += (f"attn={attn}",)
+    return ident
+
+
+def in_file_name(name: str) -> str:
+    """A model's name as part of a file or folder name: a hub id's ``/`` (and anything else a path would split or
+    a shell would trip on) as ``--``, as the Hugging Face cache writes ``models--org--name``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", str(name))
+
+
+def model_overrides(model_cfg: Any) -> list[str]:
+    """The command line overrides that select this model again: ``model=NAME`` for a packaged one, ``model=hf
+    model.path=DIR`` (and ``model.name=`` as resolved) for a checkpoint, then ``model.dtype=`` and
+    ``model.attn_implementation=`` where they are not float32 and sdpa."""
+    name, path = _get(model_cfg, "name"), _get(model_cfg, "path")
+    if _get(model_cfg, "source") == "hf":
+        out = ["model=hf", f"model.path={path}", f"model.name={name}"]
+    else:
+        out = [f"model={name}"] + ([f"model.path={path}"] if path not in (None, "") else [])
+    if (dtype := _get(model_cfg, "dtype")) not in (None, "float32"):
+        out.append(f"model.dtype={dtype}")
+    if (attn := attn_implementation(model_cfg)) != MODEL_DEFAULTS["attn_implementation"]:
+        out.append(f"model.attn_implementation={attn}")
+    return out
+
+
+def model_fields(handle: Any, cfg: Any) -> dict[str, str]:
+    """``model_dtype`` and ``attn_implementation`` for a summary: what the loaded model runs with, or, where a run on
+    a stored trace never loads it, what the run's config ``cfg`` loads (the trace was captured so: both are in its
+    key, and a trace of another dtype is refused)."""
+    if getattr(handle, "loaded", False):
+        model = handle.model
+        return {"model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "attn_implementation": str(getattr(model.config, "_attn_implementation", None)
+                                           or attn_implementation(cfg.model))}
+    return {"model_dtype": model_dtype_name(cfg.model, str(cfg.device)), "attn_implementation": attn_implementation(cfg.model)}
 
 
 class ModelHandle:
@@ -89,7 +154,9 @@ class ModelHandle:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError("device=cuda was asked for but torch sees no CUDA device; use device=cpu")
         self._tok = AutoTokenizer.from_pretrained(path)
-        self._model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        self._model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=MODEL_DTYPES[model_dtype_name(self.cfg, self.device)],
+            attn_implementation=attn_implementation(self.cfg)).to(self.device).eval()
         meta_file = path / "kvbench_asset.json"
         self._meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"path": str(path)}
 

@@ -112,15 +112,21 @@ def test_model_dtype_is_by_device_unless_set():
     (["+compressor=snapkv", "compressor.keep=0.5", "compressor.window=8"], "bfloat16", "sdpa"),  # queries recaptured
     (["+compressor=recompute"], "bfloat16", "sdpa"),  # the decoder runs the model itself
     (["+compressor=kivi", "compressor.residual=0"], "float16", "eager"),
-])
+], ids=["kivi-bfloat16", "snapkv-bfloat16", "recompute-bfloat16", "kivi-float16-eager"])
 def test_a_model_loaded_in_its_own_dtype_runs_end_to_end_on_the_cpu(tmp_path, tiny_checkpoint, overrides, dtype, attn):
     """``python -m kvbench run +compressor=kivi model.dtype=bfloat16`` on the tiny checkpoint: capture, coding and
     scoring run with the model as loaded, and the summary says how it was loaded, apart from the cache dtype."""
+    import torch
+
+    from kvbench.inputs.models import ModelHandle
     from kvbench.measure.run import measure
 
     ckpt, _ = tiny_checkpoint
     cfg = _cell(tmp_path, tiny_checkpoint, ckpt, *overrides, f"model.dtype={dtype}", f"model.attn_implementation={attn}")
-    summary, _ = measure(cfg, make_compressor(cfg.compressor))
+    handle = ModelHandle(cfg.model, cfg.device)
+    summary, _ = measure(cfg, make_compressor(cfg.compressor), handle)
+    assert next(handle.model.parameters()).dtype == getattr(torch, dtype)
+    assert handle.model.config._attn_implementation == attn
     assert (summary["model_dtype"], summary["attn_implementation"], summary["dtype"]) == (dtype, attn, "float16")
     assert math.isfinite(summary["delta_nll"]) and summary["eval_tokens"] > 0
     assert json.loads((default_trace_dir(cfg) / "manifest.json").read_text())["model_dtype"] == dtype

@@ -62,8 +62,10 @@ def capture_trace(cfg: DictConfig) -> None:
     """``python -m kvbench capture``: capture (or reuse) the config's KV trace and say where it is."""
     from kvbench.inputs.capture import capture, default_trace_dir
     from kvbench.inputs.models import ModelHandle
+    from kvbench.sweep.config_check import read_config
 
     try:
+        cfg = read_config(cfg)
         out = Path(str(cfg.trace)).expanduser() if cfg.trace else default_trace_dir(cfg)
         trace = capture(cfg, ModelHandle(cfg.model, cfg.device), out)
     except USER_ERRORS as e:

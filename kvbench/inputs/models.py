@@ -38,26 +38,44 @@ class ModelInfo:
 
 
 def check_model_cfg(model_cfg: Any) -> None:
-    """Refuse a ``model.path`` given with a packaged model: the packaged weights would be loaded, the path ignored,
-    and the summary's config would still name the path as if it had been read."""
-    get = model_cfg.get if hasattr(model_cfg, "get") else lambda key, default=None: getattr(model_cfg, key, default)
-    path = get("path", None)
-    if get("source", None) == "packaged" and path not in (None, ""):
+    """Refuse a model config that would load something else than it names, each with a one-line error naming the
+    field, its value and what is allowed: a ``model.path`` given with a packaged model (the packaged weights would be
+    loaded, the path ignored, and the summary's config would still name the path as if it had been read), a
+    checkpoint without one, an empty name, an unknown source, packaged model, weight dtype or attention implementation."""
+    from omegaconf import OmegaConf
+
+    from kvbench.core.checks import check_choice
+
+    missing = OmegaConf.is_config(model_cfg) and OmegaConf.is_missing(model_cfg, "path")
+    path, source, name = None if missing else _get(model_cfg, "path"), _get(model_cfg, "source"), _get(model_cfg, "name")
+    if source is not None:  # a config naming a model built in the process (tests) has none
+        check_choice("model", "source", source, ["packaged", "hf"])
+    if source == "packaged" and path not in (None, ""):
         raise ValueError(f"model.path={path} is only read with model=hf (a local Hugging Face checkpoint directory); "
-                         f"model={get('name', '?')} is packaged and loads its own weights (packaged models: "
+                         f"model={name or '?'} is packaged and loads its own weights (packaged models: "
                          f"{sorted(MODELS)}): drop model.path, or use model=hf model.path={path}")
+    if source == "packaged" and name not in MODELS:
+        raise ValueError(f"model.name={name!r} is not a packaged model; choose one of {sorted(MODELS)}, or use model=hf "
+                         "model.path=DIR for a local checkpoint")
+    if source == "hf" and path in (None, ""):
+        raise ValueError("model.path is not set; model=hf reads a local Hugging Face checkpoint directory: "
+                         "model=hf model.path=DIR")
+    if name is not None and not str(name).strip():
+        raise ValueError(f"model.name={name!r} is empty; leave it unset (model=hf: the checkpoint's own name) or name "
+                         "the model")
+    if _get(model_cfg, "dtype") is not None:  # null: by device
+        check_choice("model", "dtype", _get(model_cfg, "dtype"), MODEL_DTYPES)
+    check_choice("model", "attn_implementation", attn_implementation(model_cfg), ATTN_IMPLEMENTATIONS)
 
 
 def resolve_model_dir(model_cfg: Any) -> Path:
     check_model_cfg(model_cfg)
     if model_cfg.source == "packaged":
         return ensure_model(model_cfg.name)
-    if model_cfg.source == "hf":
-        path = Path(str(model_cfg.path)).expanduser()
-        if not (path / "config.json").exists():
-            raise AssetError(f"model.path={path} is not a Hugging Face checkpoint directory (no config.json)")
-        return path
-    raise ValueError(f"model.source={model_cfg.source!r} is not allowed; choose 'packaged' or 'hf'")
+    path = Path(str(model_cfg.path)).expanduser()  # model=hf: check_model_cfg allows no other source
+    if not (path / "config.json").exists():
+        raise AssetError(f"model.path={path} is not a Hugging Face checkpoint directory (no config.json)")
+    return path
 
 
 def describe(model: Any, name: str, source: str, meta: dict | None = None) -> ModelInfo:

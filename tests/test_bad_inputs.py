@@ -41,7 +41,8 @@ def test_a_path_is_read_with_model_hf(tmp_path):
 
 #: (override, the error line): each refused when the config is read, before a model, a trace or a results folder
 BAD_FIELDS = [
-    ("dataset.seq_len=0", "dataset.seq_len=0 must be a whole number of at least 2 (prefix tokens whose KV is compressed)"),
+    ("dataset.seq_len=0", "dataset.seq_len=0 must be a whole number of at least 2 (prefix tokens whose KV is "
+                          "compressed)"),
     ("dataset.n_sequences=-1", "dataset.n_sequences=-1 must be a whole number of at least 1 (evaluated windows)"),
     ("dataset.eval_len=-5", "dataset.eval_len=-5 must be a whole number of at least 1 (held-out continuation tokens "
                             "scored after the prefix)"),
@@ -108,7 +109,8 @@ def test_a_bad_field_is_one_line_naming_what_is_allowed_before_any_work(no_gpu, 
 
 def test_capture_reads_its_config_as_run_does(no_gpu, capsys):
     assert _cli("capture", "dataset.n_sequences=-1") == 2
-    assert capsys.readouterr().err == "error: dataset.n_sequences=-1 must be a whole number of at least 1 (evaluated windows)\n"
+    assert capsys.readouterr().err == ("error: dataset.n_sequences=-1 must be a whole number of at least 1 (evaluated "
+                                       "windows)\n")
     assert not (no_gpu / "home").exists()
 
 

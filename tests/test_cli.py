@@ -74,7 +74,8 @@ def test_compressor_field_overrides_apply_to_the_compressor_each_cell_selects(ar
      "compressor.residual=0 cannot apply to this run: turboquant has no field 'residual' (turboquant's fields are "
      "['bits', 'entropy_coding', 'norm_bits', 'rotation', 'seed', 'variant'])"),
 ], ids=["sweep", "one"])
-def test_a_compressor_field_that_cannot_apply_names_the_compressor_without_it(argv, error, capsys, tmp_path, monkeypatch):
+def test_a_compressor_field_that_cannot_apply_names_the_compressor_without_it(argv, error, capsys, tmp_path,
+                                                                              monkeypatch):
     from kvbench.__main__ import main
 
     monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path / "results"))

@@ -122,7 +122,8 @@ def test_a_model_loaded_in_its_own_dtype_runs_end_to_end_on_the_cpu(tmp_path, ti
     from kvbench.measure.run import measure
 
     ckpt, _ = tiny_checkpoint
-    cfg = _cell(tmp_path, tiny_checkpoint, ckpt, *overrides, f"model.dtype={dtype}", f"model.attn_implementation={attn}")
+    cfg = _cell(tmp_path, tiny_checkpoint, ckpt, *overrides, f"model.dtype={dtype}",
+                f"model.attn_implementation={attn}")
     handle = ModelHandle(cfg.model, cfg.device)
     summary, _ = measure(cfg, make_compressor(cfg.compressor), handle)
     assert next(handle.model.parameters()).dtype == getattr(torch, dtype)

@@ -111,7 +111,7 @@ def resolve_model(cfg: Any) -> Any:
         return cfg
     with open_dict(model):
         path = OmegaConf.select(model, "path", default=None, throw_on_missing=False)
-        if model.get("name") is None and path not in (None, "", "???") and not OmegaConf.is_missing(model, "path"):
+        if model.get("name") is None and path not in (None, "") and not OmegaConf.is_missing(model, "path"):
             model.name = checkpoint_name(path)
         if model.get("dtype") is None:
             model.dtype = default_model_dtype(str(cfg.get("device", "cpu")))

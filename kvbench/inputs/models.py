@@ -18,8 +18,8 @@ MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 #: ``model.attn_implementation``: the attention kernels transformers runs. Methods that need attention weights
 #: recompute them from captured queries (compressors/eviction/query_attention.py), so none needs ``eager``.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-#: what every run before these fields loaded: float32 weights, transformers' default attention
-MODEL_DEFAULTS = {"attn_implementation": "sdpa"}
+#: transformers' default, which every run before the field existed used
+DEFAULT_ATTN = "sdpa"
 
 
 @dataclass
@@ -41,13 +41,15 @@ def check_model_cfg(model_cfg: Any) -> None:
     """Refuse a model config that would load something else than it names, each with a one-line error naming the
     field, its value and what is allowed: a ``model.path`` given with a packaged model (the packaged weights would be
     loaded, the path ignored, and the summary's config would still name the path as if it had been read), a
-    checkpoint without one, an empty name, an unknown source, packaged model, weight dtype or attention implementation."""
+    checkpoint without one, an empty name, an unknown source, packaged model, weight dtype or attention
+    implementation."""
     from omegaconf import OmegaConf
 
     from kvbench.core.checks import check_choice
 
-    missing = OmegaConf.is_config(model_cfg) and OmegaConf.is_missing(model_cfg, "path")
-    path, source, name = None if missing else _get(model_cfg, "path"), _get(model_cfg, "source"), _get(model_cfg, "name")
+    missing = OmegaConf.is_config(model_cfg) and OmegaConf.is_missing(model_cfg, "path")  # model=hf's ???
+    path = None if missing else _get(model_cfg, "path")
+    source, name = _get(model_cfg, "source"), _get(model_cfg, "name")
     if source is not None:  # a config naming a model built in the process (tests) has none
         check_choice("model", "source", source, ["packaged", "hf"])
     if source == "packaged" and path not in (None, ""):
@@ -55,8 +57,8 @@ def check_model_cfg(model_cfg: Any) -> None:
                          f"model={name or '?'} is packaged and loads its own weights (packaged models: "
                          f"{sorted(MODELS)}): drop model.path, or use model=hf model.path={path}")
     if source == "packaged" and name not in MODELS:
-        raise ValueError(f"model.name={name!r} is not a packaged model; choose one of {sorted(MODELS)}, or use model=hf "
-                         "model.path=DIR for a local checkpoint")
+        raise ValueError(f"model.name={name!r} is not a packaged model; choose one of {sorted(MODELS)}, or use "
+                         "model=hf model.path=DIR for a local checkpoint")
     if source == "hf" and path in (None, ""):
         raise ValueError("model.path is not set; model=hf reads a local Hugging Face checkpoint directory: "
                          "model=hf model.path=DIR")
@@ -96,7 +98,7 @@ def model_dtype_name(model_cfg: Any, device: str = "cpu") -> str:
 
 
 def attn_implementation(model_cfg: Any) -> str:
-    return str(_get(model_cfg, "attn_implementation") or MODEL_DEFAULTS["attn_implementation"])
+    return str(_get(model_cfg, "attn_implementation") or DEFAULT_ATTN)
 
 
 def model_identity(handle: Any) -> tuple | None:
@@ -111,7 +113,7 @@ def model_identity(handle: Any) -> tuple | None:
     ident = tuple(str(cfg.get(k)) for k in ("name", "path"))
     if (dtype := model_dtype_name(cfg, handle.device)) != "float32":
         ident += (f"dtype={dtype}",)
-    if (attn := attn_implementation(cfg)) != MODEL_DEFAULTS["attn_implementation"]:
+    if (attn := attn_implementation(cfg)) != DEFAULT_ATTN:
         ident += (f"attn={attn}",)
     return ident
 
@@ -133,7 +135,7 @@ def model_overrides(model_cfg: Any) -> list[str]:
         out = [f"model={name}"] + ([f"model.path={path}"] if path not in (None, "") else [])
     if (dtype := _get(model_cfg, "dtype")) not in (None, "float32"):
         out.append(f"model.dtype={dtype}")
-    if (attn := attn_implementation(model_cfg)) != MODEL_DEFAULTS["attn_implementation"]:
+    if (attn := attn_implementation(model_cfg)) != DEFAULT_ATTN:
         out.append(f"model.attn_implementation={attn}")
     return out
 
@@ -147,7 +149,8 @@ def model_fields(handle: Any, cfg: Any) -> dict[str, str]:
         return {"model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                 "attn_implementation": str(getattr(model.config, "_attn_implementation", None)
                                            or attn_implementation(cfg.model))}
-    return {"model_dtype": model_dtype_name(cfg.model, str(cfg.device)), "attn_implementation": attn_implementation(cfg.model)}
+    return {"model_dtype": model_dtype_name(cfg.model, str(cfg.device)),
+            "attn_implementation": attn_implementation(cfg.model)}
 
 
 class ModelHandle:

@@ -52,7 +52,8 @@ def check_dataset(ds: Any) -> None:
         raise ValueError(f"dataset.path={path} is only read with dataset=text; dataset={ds.name} loads its own "
                          f"text: drop dataset.path, or use dataset=text dataset.path={path}")
     if not isinstance(ds.field, str) or not ds.field:
-        raise ValueError(f"dataset.field={ds.field!r} is not allowed; name the .jsonl field holding each document's text")
+        raise ValueError(f"dataset.field={ds.field!r} is not allowed; name the .jsonl field holding each document's "
+                         "text")
     check_count("dataset", "n_sequences", ds.n_sequences, 1, "evaluated windows")
     check_count("dataset", "n_calib", ds.n_calib, 0, "calibration windows")
     check_count("dataset", "seq_len", ds.seq_len, 2, "prefix tokens whose KV is compressed")

@@ -33,9 +33,11 @@ def _parse(arg: str):
 
 def _selected(override) -> list[str]:
     """The compressor names a ``+compressor=...`` override selects (one, or each of a sweep's)."""
+    from hydra.core.override_parser.types import ValueType
+
     if not override.is_sweep_override():
         return [str(override.value())]
-    if override.value_type.name == "GLOB_CHOICE_SWEEP":
+    if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
         return override.value().filter(available(GROUP))
     return list(override.sweep_string_iterator())
 
@@ -52,6 +54,8 @@ def _some(names: list[str]) -> str:
 def per_cell(argv: list[str]) -> list[str]:
     """``argv`` with each fixed ``compressor.FIELD=VALUE`` of a sweep over compressors rewritten to apply in each
     cell; a ValueError names a selected compressor that lacks the field."""
+    from hydra.core.override_parser.types import OverrideType
+
     parsed = [_parse(a) for a in argv]
     groups = [o for o in parsed if o is not None and o.key_or_group == GROUP and not o.is_delete()]
     if not groups:
@@ -61,7 +65,8 @@ def per_cell(argv: list[str]) -> list[str]:
     swept = groups[-1].is_sweep_override()
     out = []
     for arg, o in zip(argv, parsed):
-        if o is None or o.type.name != "CHANGE" or not o.key_or_group.startswith(f"{GROUP}."):
+        # +compressor.FIELD / ++compressor.FIELD: the user chose how it applies
+        if o is None or o.type != OverrideType.CHANGE or not o.key_or_group.startswith(f"{GROUP}."):
             out.append(arg)
             continue
         key, field = o.key_or_group, o.key_or_group.split(".")[1]

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from kvbench.core.config import CONFIG_DIR
 from kvbench.inputs.assets import AssetError
 from kvbench.sweep.commands import COMMANDS, function, measuring
+from kvbench.sweep.overrides import per_cell
 
 USER_ERRORS = (ValueError, AssetError, FileNotFoundError)
 
@@ -62,8 +63,10 @@ def capture_trace(cfg: DictConfig) -> None:
     """``python -m kvbench capture``: capture (or reuse) the config's KV trace and say where it is."""
     from kvbench.inputs.capture import capture, default_trace_dir
     from kvbench.inputs.models import ModelHandle
+    from kvbench.sweep.config_check import read_config
 
     try:
+        cfg = read_config(cfg)
         out = Path(str(cfg.trace)).expanduser() if cfg.trace else default_trace_dir(cfg)
         trace = capture(cfg, ModelHandle(cfg.model, cfg.device), out)
     except USER_ERRORS as e:
@@ -91,6 +94,12 @@ def main(name: str, argv: list[str]) -> int:
     if command.config is None:
         raise ValueError(f"command {name!r} has no Hydra config; it parses its own arguments")
     body = functools.partial(cell, name) if command.measure else function(command.main)
+    if command.measure:
+        try:
+            argv = per_cell(argv)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     sys.argv = [f"kvbench-{name}", *argv]
     hydra_entry(command.config, body)()
     return 0

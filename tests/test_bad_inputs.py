@@ -2,6 +2,7 @@
 allowed, or recorded as it was applied."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,99 @@ def test_a_path_is_read_with_model_hf(tmp_path):
     cfg = compose(["model=hf", f"model.path={tmp_path}"], config_name="run")
     assert resolve_model_dir(cfg.model) == tmp_path
     ModelHandle(OmegaConf.create({"name": "smollm2_135m", "source": "packaged", "path": None}))  # no path: fine
+
+
+# ---------------------------------------------------------------------------------------------- config fields
+
+#: (override, the error line): each refused when the config is read, before a model, a trace or a results folder
+BAD_FIELDS = [
+    ("dataset.seq_len=0", "dataset.seq_len=0 must be a whole number of at least 2 (prefix tokens whose KV is "
+                          "compressed)"),
+    ("dataset.n_sequences=-1", "dataset.n_sequences=-1 must be a whole number of at least 1 (evaluated windows)"),
+    ("dataset.eval_len=-5", "dataset.eval_len=-5 must be a whole number of at least 1 (held-out continuation tokens "
+                            "scored after the prefix)"),
+    ("dataset.n_calib=-1", "dataset.n_calib=-1 must be a whole number of at least 0 (calibration windows)"),
+    ("dataset.seed=-3", "dataset.seed=-3 must be a whole number of at least 0"),
+    ("dataset.field=", "dataset.field='' is not allowed; name the .jsonl field holding each document's text"),
+    ("dataset.split=val", "dataset.split='val' is not allowed; choose one of ['test', 'dev']"),
+    ("dataset=text", "dataset.path is not set; dataset=text reads a local file: dataset=text dataset.path=FILE (.txt: "
+                     "one document; .jsonl: one document per line)"),
+    ("dataset.path=/tmp/notes.txt", "dataset.path=/tmp/notes.txt is only read with dataset=text; dataset=sotu loads "
+                                    "its own text: drop dataset.path, or use dataset=text dataset.path=/tmp/notes.txt"),
+    ("device=cuda", "device='cuda' is not allowed: torch sees no CUDA device on this machine; choose one of ['cpu']"),
+    ("device=tpu", "device='tpu' is not allowed; choose one of ['cpu']"),
+    ("dtype=float32", "dtype='float32' is not allowed; the cache baseline is 16-bit: ['bfloat16', 'float16']"),
+    ("seed=-1", "seed=-1 must be a whole number of at least 0"),
+    ("model=hf", "model.path is not set; model=hf reads a local Hugging Face checkpoint directory: model=hf "
+                 "model.path=DIR"),
+    ("model.name=llama", f"model.name='llama' is not a packaged model; choose one of {sorted(MODELS)}, "
+                         "or use model=hf model.path=DIR for a local checkpoint"),
+    ("model.source=hub", "model.source='hub' is not allowed; choose one of ['packaged', 'hf']"),
+    ("model.dtype=int8", "model.dtype='int8' is not allowed; choose one of ['float32', 'bfloat16', 'float16']"),
+    ("model.attn_implementation=flash", "model.attn_implementation='flash' is not allowed; choose one of ['sdpa', "
+                                        "'eager']"),
+    ("capture.pre_rope=maybe", "capture.pre_rope='maybe' is not allowed; choose true or false"),
+    ("metrics.nll=yes", "metrics.nll='yes' is not allowed; choose true or false"),
+    ("metrics.resume=sometimes", "metrics.resume='sometimes' is not allowed; choose one of [true, code, false]"),
+    ("metrics.ci_block=0", "metrics.ci_block=0 must be a whole number of at least 1"),
+    ("metrics.recall_tokens=-1", "metrics.recall_tokens=-1 must be a whole number of at least 0"),
+    ("metrics.recall_from=1.5", "metrics.recall_from=1.5 is out of range; allowed: 0 <= recall_from < 1 (where in the "
+                                "prefix the repeated passage starts, as a fraction of its length)"),
+    ("metrics.fit_draws=0", "metrics.fit_draws=0 must be an integer in [1, 64] (1: fit once on the run's own "
+                            "calibration windows)"),
+    ("rate.amortize_tokens=0", "rate.amortize_tokens=0 must be a whole number of at least 1 (tokens one fitted codec "
+                               "serves)"),
+]
+
+
+@pytest.fixture()
+def no_gpu(monkeypatch, tmp_path):
+    """A machine where torch sees no CUDA device, with an empty results root and kvbench home: whatever is written
+    there shows."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("KVBENCH_HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def _cli(*argv: str) -> int:
+    from kvbench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    return exit_.value.code
+
+
+@pytest.mark.parametrize(("override", "error"), BAD_FIELDS, ids=[o for o, _ in BAD_FIELDS])
+def test_a_bad_field_is_one_line_naming_what_is_allowed_before_any_work(no_gpu, capsys, override, error):
+    # metrics.nll=false: device=cuda used to complete on the CPU this way, its summary saying cuda
+    assert _cli("run", "+compressor=kivi", "metrics.nll=false", override) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert sorted(p.name for p in no_gpu.iterdir()) == [], "something was written before the config was checked"
+
+
+def test_capture_reads_its_config_as_run_does(no_gpu, capsys):
+    assert _cli("capture", "dataset.n_sequences=-1") == 2
+    assert capsys.readouterr().err == ("error: dataset.n_sequences=-1 must be a whole number of at least 1 (evaluated "
+                                       "windows)\n")
+    assert not (no_gpu / "home").exists()
+
+
+def test_a_cuda_run_on_a_stored_trace_is_refused_though_it_would_not_load_the_model(tiny_cfg, tiny_handle, monkeypatch):
+    """A run on a stored trace without NLL never loads the model, so nothing used to ask whether the GPU was there:
+    its coding ran on the CPU and the summary said cuda."""
+    from kvbench.inputs.capture import load_or_capture
+    from kvbench.sweep.cells import run_cell
+
+    trace = load_or_capture(tiny_cfg(), tiny_handle)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = tiny_cfg("+compressor=kivi", f"trace={trace.path}", "metrics.nll=false", "device=cuda")
+    with pytest.raises(ValueError, match=r"^device='cuda' is not allowed: torch sees no CUDA device on this machine"):
+        run_cell("run", cfg, handle=tiny_handle)
+    assert not Path(cfg.paths.results).exists()
+    s = run_cell("run", tiny_cfg("+compressor=kivi", f"trace={trace.path}", "metrics.nll=false"), handle=tiny_handle)
+    assert s.summary["device"] == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------- always kept

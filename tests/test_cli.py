@@ -45,6 +45,45 @@ def test_every_kind_of_run_is_measured_by_the_command_of_its_name_and_every_name
         assert all(callable(function(ref)) for ref in (c.main, c.measure, c.format) if ref), c
 
 
+@pytest.mark.parametrize(("argv", "want"), [
+    # a sweep over compressors composes each one per cell: a fixed field becomes a per-cell sweep of its one value
+    (["-m", "+compressor=turboquant,kvquant", "compressor.bits=4"],
+     ["-m", "+compressor=turboquant,kvquant", "++compressor.bits=choice(4)"]),
+    (["-m", "+compressor=glob(kivi*)", "compressor.bits=[3]", "dataset.seq_len=64"],
+     ["-m", "+compressor=glob(kivi*)", "++compressor.bits=choice([3])", "dataset.seq_len=64"]),
+    # a swept field is applied per cell already; so is every field of a sweep over one compressor's settings
+    (["-m", "+compressor=kvquant,aquakv", "compressor.bits=2,3", "compressor.pre_rope=false"],
+     ["-m", "+compressor=kvquant,aquakv", "compressor.bits=2,3", "++compressor.pre_rope=choice(false)"]),
+    (["-m", "+compressor=kivi", "compressor.bits=2,3", "compressor.residual=0"],
+     ["-m", "+compressor=kivi", "compressor.bits=2,3", "compressor.residual=0"]),
+    (["+compressor=kivi", "compressor.bits=3", "+compressor.residual=0", "--cfg", "job"],
+     ["+compressor=kivi", "compressor.bits=3", "+compressor.residual=0", "--cfg", "job"]),
+], ids=["sweep-fixed", "glob", "sweep-swept", "one-compressor", "one-run"])
+def test_compressor_field_overrides_apply_to_the_compressor_each_cell_selects(argv, want):
+    from kvbench.sweep.overrides import per_cell
+
+    assert per_cell(argv) == want
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["-m", "+compressor=kivi,turboquant,kvquant", "compressor.residual=0"],
+     "compressor.residual=0 cannot apply to every cell: turboquant, kvquant have no field 'residual' (turboquant's "
+     "fields are ['bits', 'entropy_coding', 'norm_bits', 'rotation', 'seed', 'variant']); kivi has it: sweep the "
+     "compressors without it in a run of their own"),
+    (["+compressor=turboquant", "compressor.residual=0"],
+     "compressor.residual=0 cannot apply to this run: turboquant has no field 'residual' (turboquant's fields are "
+     "['bits', 'entropy_coding', 'norm_bits', 'rotation', 'seed', 'variant'])"),
+], ids=["sweep", "one"])
+def test_a_compressor_field_that_cannot_apply_names_the_compressor_without_it(argv, error, capsys, tmp_path,
+                                                                              monkeypatch):
+    from kvbench.__main__ import main
+
+    monkeypatch.setenv("KVBENCH_RESULTS", str(tmp_path / "results"))
+    assert main(["run", *argv]) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert not (tmp_path / "results").exists()  # no sweep folder, no cell
+
+
 @pytest.mark.integration
 def test_capture_then_run_on_the_stored_trace(tmp_path):
     trace = tmp_path / "trace"

@@ -201,6 +201,23 @@ def test_a_failing_cell_does_not_stop_the_sweep(tmp_path, tiny_checkpoint):
     assert [c["compressor_params"]["bits"] for c in cells] == [2]
 
 
+def test_a_sweep_over_compressors_applies_a_shared_fixed_field_to_every_cell(tmp_path, tiny_checkpoint):
+    """``-m +compressor=turboquant,kvquant compressor.bits=4``: Hydra composes such a sweep without the compressor,
+    which only each cell selects, and used to refuse the fixed field, advising ``+compressor.bits=4``."""
+    args, env, cwd = _setup(tmp_path, tiny_checkpoint)
+    p = _kvbench(["run", "-m", "+compressor=turboquant,kvquant", "compressor.bits=4", *args, "metrics.nll=false"],
+                 env, cwd)
+    cells = sorted((json.loads(s.read_text()) for s in (tmp_path / "results" / "runs").glob("*/summary.json")),
+                   key=lambda c: c["compressor"])
+    assert [(c["compressor"], c["compressor_params"]["bits"]) for c in cells] == [("kvquant", 4), ("turboquant", 4)]
+    assert p.stderr.count("[sweep cell #") == 2
+    # the same cell as the run that names one compressor: a sweep finds it finished
+    from kvbench.sweep.cells import compose_cell, key_of
+
+    single = key_of(compose_cell("run", ["+compressor=kvquant", "compressor.bits=4", *args, "metrics.nll=false"]))
+    assert single == cells[0]["cell_key"]
+
+
 def test_slurm_launcher_config(tmp_path, monkeypatch):
     """hydra/launcher=slurm is submitit's SLURM launcher with kvbench-sized resources, logging under results."""
     from hydra import compose as hydra_compose

@@ -1,8 +1,13 @@
-"""Config plumbing: composing run configs and turning the ``compressor`` node into an object."""
+"""Config plumbing: composing run configs, resolving the model fields a config leaves to its checkpoint or device, and
+turning the ``compressor`` node into an object."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 from kvbench.core.compressor import Compressor
@@ -57,9 +62,57 @@ def make_compressor(node: Any) -> Compressor:
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "run") -> Any:
-    """The config as ``python -m kvbench run OVERRIDES`` (or ``eval``/``latency`` by ``config_name``) would see it."""
+    """The config as ``python -m kvbench run OVERRIDES`` (or ``eval``/``latency`` by ``config_name``) would see it,
+    its model fields resolved (:func:`resolve_model`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="kvbench"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        return resolve_model(hydra_compose(config_name=config_name, overrides=list(overrides or [])))
+
+
+# ---------------------------------------------------------------------------------------------- the model's fields
+
+#: hub ids (``org/name`` or ``name``): what a checkpoint's ``_name_or_path`` holds when it names a model rather
+#: than the folder the checkpoint was saved from (an absolute or ``./`` path says nothing of the model)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def checkpoint_name(path: str | os.PathLike) -> str:
+    """The name a local checkpoint directory goes by: its config.json's ``_name_or_path`` when that is a hub id,
+    else the directory's own name (in a Hugging Face cache snapshot, ``models--org--name/snapshots/<hash>``, the
+    model's id, not the hash). Symlinks are not followed: a link named for the model names it."""
+    folder = Path(os.path.abspath(os.path.expanduser(str(path))))
+    try:
+        named = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if isinstance(named, str) and _HUB_ID.fullmatch(named):
+        return named
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return folder.name
+
+
+def default_model_dtype(device: str) -> str:
+    """``model.dtype: null``: float32 on a CPU (where 16-bit arithmetic is emulated, and slower), bfloat16 on a GPU."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
+def resolve_model(cfg: Any) -> Any:
+    """``cfg`` (a composed config, changed in place and returned) with the model fields it leaves open filled in, so
+    that summaries, cell keys, trace names and report rows all read one value: ``model.name: null`` (``model=hf``)
+    becomes the checkpoint's name (:func:`checkpoint_name`; left null while ``model.path`` is not given, for the
+    config check to name), ``model.dtype: null`` the device's default (:func:`default_model_dtype`)."""
+    from omegaconf import OmegaConf, open_dict
+
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    if model is None or not OmegaConf.is_config(model):
+        return cfg
+    with open_dict(model):
+        path = OmegaConf.select(model, "path", default=None, throw_on_missing=False)
+        if model.get("name") is None and path not in (None, "") and not OmegaConf.is_missing(model, "path"):
+            model.name = checkpoint_name(path)
+        if model.get("dtype") is None:
+            model.dtype = default_model_dtype(str(cfg.get("device", "cpu")))
+    return cfg

@@ -37,7 +37,15 @@ from kvbench.inputs.data import draw_windows, load_documents
 from kvbench.inputs.footprint import check_fits, estimate
 from kvbench.inputs.forward import decoder_of, scored_forward
 from kvbench.inputs.layout import ROLES, capture_windows, windows_drawn
-from kvbench.inputs.models import ModelHandle, describe
+from kvbench.inputs.models import (
+    ModelHandle,
+    attn_implementation,
+    describe,
+    in_file_name,
+    model_dtype_name,
+    model_fields,
+    model_overrides,
+)
 from kvbench.inputs.positions import check_positions, window_positions
 from kvbench.store.atomic import probe_write, staged_dir, why_unwritable
 from kvbench.store.integrity import check_hash, damaged, read_sealed_json, seal, sha256_file
@@ -176,11 +184,17 @@ def trace_key(cfg: Any) -> str:
     }
     if split_of(ds) != "test":  # the test split's traces keep the keys they had before splits existed
         key["split"] = split_of(ds)
+    # the model's weight dtype and attention change every captured value; the float32, sdpa traces captured
+    # before these fields existed keep their keys
+    if (dtype := model_dtype_name(cfg.model, str(cfg.device))) != "float32":
+        key["model_dtype"] = dtype
+    if (attn := attn_implementation(cfg.model)) != "sdpa":
+        key["attn_implementation"] = attn
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def default_trace_dir(cfg: Any) -> Path:
-    return home() / "traces" / f"{cfg.model.name}-{cfg.dataset.name}-{trace_key(cfg)}"
+    return home() / "traces" / f"{in_file_name(cfg.model.name)}-{cfg.dataset.name}-{trace_key(cfg)}"
 
 
 def split_of(ds: Any) -> str:
@@ -233,9 +247,7 @@ def _setting(cfg: Any, key: str) -> Any:
 def capture_command(cfg: Any, out: Path | None = None) -> str:
     """The ``python -m kvbench capture`` command that captures this config's trace (into ``out`` when it is not the
     default folder): every field :func:`trace_key` reads."""
-    args = [f"model={_setting(cfg, 'model.name')}"]
-    if _setting(cfg, "model.path") is not None:
-        args.append(f"model.path={_setting(cfg, 'model.path')}")
+    args = model_overrides(cfg.model)
     args.append(f"dataset={_setting(cfg, 'dataset.name')}")
     for name in ("path", "field", "n_sequences", "n_calib", "seq_len", "eval_len", "seed"):
         if (value := _setting(cfg, f"dataset.{name}")) is not None:
@@ -301,6 +313,7 @@ def capture(cfg: Any, handle: ModelHandle, out: Path, progress: bool = True) -> 
             "window_order": taken,
             "documents": [docs[i] for i in taken],
             "pre_rope": bool(cfg.capture.pre_rope),
+            **model_fields(handle, cfg),  # model_dtype, attn_implementation: what the KV was computed with
             "kvbench_version": __version__,
             "git_sha": git_sha(),
             "capture_code": capture_code_version(),

@@ -9,8 +9,8 @@ holds afterwards, and peak resident memory during the run (:class:`~kvbench.core
 peak allocation on a GPU).
 
 Like for like: every cache holds its KV in the run's cache ``dtype`` (the plain ``DynamicCache`` too, through
-:class:`StoredLayer`), while the model computes in the device's fast dtype (``latency.model_dtype=auto``: float32 on
-a CPU, where half precision is emulated, the cache dtype on a GPU). After a warm-up round, each context runs
+:class:`StoredLayer`), while the model computes in the dtype it was loaded in (``latency.model_dtype=auto``: ``model.dtype``,
+by default float32 on a CPU, where half precision is emulated, and bfloat16 on a GPU). After a warm-up round, each context runs
 ``latency.rounds`` rounds; within a round the caches run in a seeded random order, so drift in the machine's load
 favours none. A row holds the median over rounds of each figure and ``tokens_per_s_iqr``, the interquartile range of
 tokens/s across rounds.
@@ -42,7 +42,7 @@ from kvbench.core.machine import conditions
 from kvbench.core.timing import PeakRSS
 from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.data import load_documents, sample_windows
-from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.models import ModelHandle, model_fields
 from kvbench.measure.baselines import make_baselines
 from kvbench.store.results import git_sha
 
@@ -117,10 +117,11 @@ def dynamic_cache(store: torch.dtype) -> DynamicCache:
     return cache
 
 
-def compute_dtype(model_dtype: str, cache_dtype_name: str, device: str) -> torch.dtype:
-    """``latency.model_dtype``: ``auto`` (float32 on a CPU, the cache dtype on a GPU), ``cache``, or a dtype name."""
+def compute_dtype(model_dtype: str, cache_dtype_name: str, loaded: torch.dtype) -> torch.dtype:
+    """``latency.model_dtype``: ``auto`` (the dtype the model was ``loaded`` in: ``model.dtype``), ``cache``, or a
+    dtype name."""
     if model_dtype == "auto":
-        return cache_dtype(cache_dtype_name) if device.startswith("cuda") else torch.float32
+        return loaded
     if model_dtype == "cache":
         return cache_dtype(cache_dtype_name)
     if model_dtype not in ("float32", "float16", "bfloat16"):
@@ -204,7 +205,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
     config = model.config if compressor.needs_config else None
     fit_s = prepare(compressor, lambda: calib_windows(cfg, handle), cfg.device, config=config).fit_s
     dev = cfg.device
-    model_dtype = compute_dtype(str(lat.model_dtype), cfg.dtype, dev)
+    model_dtype = compute_dtype(str(lat.model_dtype), cfg.dtype, next(model.parameters()).dtype)
     model.to(model_dtype)
     rounds = int(lat.rounds)
     if rounds < 1:
@@ -256,7 +257,7 @@ def measure_latency(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "ratios": latency_ratios(rows),
         "cache": {"residual": cache.residual, "chunk": int(cache.chunk), "mode": str(cache.mode), "dtype": cfg.dtype},
         "baselines": {name: b.describe() for name, b in baselines.items()},
-        "model_dtype": str(model_dtype).replace("torch.", ""),
+        **model_fields(handle, cfg),  # model_dtype: the compute dtype latency.model_dtype cast the model to
         "fit_s": fit_s,
         **conditions(load=load_start[0]),
         # 1-minute load average at the start and the end: other jobs on a shared machine slow every row alike

@@ -51,7 +51,7 @@ from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, calib_windows
 from kvbench.inputs.data import adds_bos, load_documents, sample_windows
-from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.models import ModelHandle, model_fields
 from kvbench.measure.metrics.task_loss import build_cache
 from kvbench.measure.restore_projection import LABEL as PROJECTION_LABEL
 from kvbench.measure.restore_projection import project
@@ -283,7 +283,7 @@ def measure_restore(cfg: Any, compressor: Compressor, handle: ModelHandle | None
         "codec_bits": codec.codec_bits,
         "fit_s": codec.fit_s,
         "dtype": cfg.dtype,
-        "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        **model_fields(handle, cfg),
         "device": dev,
         **conditions(threads, load_start[0]),
         # 1-minute load average at the start and the end: other jobs on a shared machine slow every time alike

@@ -27,7 +27,7 @@ from kvbench.core.rope import Rotary
 from kvbench.core.timing import Stopwatch
 from kvbench.inputs.assets import AssetError
 from kvbench.inputs.capture import cache_dtype, check_window, load_or_capture, trace_stored
-from kvbench.inputs.models import ModelHandle, model_identity
+from kvbench.inputs.models import ModelHandle, model_dtype_name, model_fields, model_identity
 from kvbench.inputs.positions import allowed_beyond
 from kvbench.inputs.workloads import selected as workload_selected
 from kvbench.measure.fit_draws import draw_spread
@@ -52,6 +52,10 @@ def trace_source(cfg: Any, handle: ModelHandle) -> Source:
         check_window(cfg, handle, held)  # before scoring on it
     if trace.manifest["dtype"] != cfg.dtype:
         raise ValueError(f"trace {trace.path} holds {trace.manifest['dtype']} KV but dtype={cfg.dtype} was asked for")
+    # a trace captured before model.dtype existed was captured in float32
+    if (made := trace.manifest.get("model_dtype", "float32")) != (want := model_dtype_name(cfg.model, cfg.device)):
+        raise ValueError(f"trace {trace.path} was captured by the model in {made} but model.dtype={want} was asked for: "
+                         f"its continuation would be scored by another model; set model.dtype={made}")
     ev = trace.eval
     items = [Item(s.kv, s.kv.n_tokens, s.continuation if cfg.metrics.nll else None) for s in ev]
     lp = torch.cat([s.logprobs for s in ev])
@@ -276,6 +280,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "dtype": cfg.dtype,
         "device": cfg.device,
         "allow_beyond_positions": allowed_beyond(cfg.dataset),
+        **model_fields(handle, cfg),
         "compressor_params": compressor.describe(),
         "compressor_facts": compressor.facts(context),
         "compressor_stats": codec.stats(),

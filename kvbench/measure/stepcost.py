@@ -41,7 +41,7 @@ from kvbench.core.kv import Context
 from kvbench.core.machine import conditions
 from kvbench.core.next_token import torch_threads
 from kvbench.inputs.capture import load_or_capture
-from kvbench.inputs.models import ModelHandle
+from kvbench.inputs.models import ModelHandle, model_fields
 from kvbench.store.results import git_sha
 
 #: what each stage times, in the summary and on the terminal
@@ -150,7 +150,7 @@ def measure_stepcost(cfg: Any, compressor: Compressor, handle: ModelHandle | Non
         **{f"{r['stage']}_s_per_token": r["s_per_token"] for r in rows},
         **{f"{r['stage']}_over_step": r["over_step"] for r in rows if r["stage"] != "step"},
         "rows": rows,
-        "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        **model_fields(handle, cfg),
         "device": cfg.device,
         # 1-minute load average at the start and the end: other jobs on a shared machine slow every stage alike
         "loadavg_1m": [load_start[0], os.getloadavg()[0]],

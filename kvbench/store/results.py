@@ -89,6 +89,9 @@ ADDED_LATER = {
     ("latency", "quantized_cache"): {"nbits": None, "q_group_size": None, "residual_length": None},
     ("metrics", "fit_draws"): 1,
     ("metrics", "attn_queries"): 128,
+    # every run before these fields loaded the model in float32 with transformers' default (sdpa) attention
+    ("model", "dtype"): "float32",
+    ("model", "attn_implementation"): "sdpa",
 }
 
 

@@ -11,6 +11,7 @@ from kvbench.core.config import compose, make_compressor
 from kvbench.core.rss import peak_fields, start_cell
 from kvbench.store.results import Outcome, cell_key, latest, reuse_or_measure, root_of
 from kvbench.sweep.commands import function, measuring
+from kvbench.sweep.config_check import read_config
 
 
 def compose_cell(kind: str, overrides: list[str]) -> Any:
@@ -39,7 +40,9 @@ def run_cell(kind: str, cfg: Any, handle: Any = None, resume: Any = None, extra:
     """Reuse the newest finished run of ``cfg`` (``resume``: default ``cfg.metrics.resume``; see
     :func:`kvbench.store.results.resume_mode`) or measure it with ``kind``'s function and write it, with the peak
     resident memory (:func:`kvbench.core.rss.peak_fields`) and ``extra`` fields (e.g. the machine's load while it
-    ran) added to the measured summary."""
+    ran) added to the measured summary. The config is read first (:func:`kvbench.sweep.config_check.read_config`):
+    a bad field fails here, before anything is loaded or written."""
+    cfg = read_config(cfg)
     compressor = make_compressor(cfg.get("compressor"))
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     measure = function(measuring(kind).measure)

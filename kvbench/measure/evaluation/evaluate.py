@@ -23,7 +23,7 @@ from kvbench.core.codec import prepare
 from kvbench.core.compressor import Compressor
 from kvbench.core.machine import conditions
 from kvbench.inputs.capture import cache_dtype, calib_windows
-from kvbench.inputs.models import ModelHandle, model_identity
+from kvbench.inputs.models import ModelHandle, model_fields, model_identity
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation.chance import chance_scores
 from kvbench.measure.evaluation.lm import CompressedKVLM
@@ -181,6 +181,7 @@ def summarise(cfg: Any, compressor: Compressor, lm: CompressedKVLM, per_task: di
     return {
         "compressor": compressor.name,
         "model": cfg.model.name,
+        **model_fields(lm.handle, cfg),
         "kind": "eval",
         "protocol": lm.protocol,
         "tasks": per_task,

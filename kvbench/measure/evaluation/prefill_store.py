@@ -61,9 +61,10 @@ class PrefillStore:
         """The store of ``model`` (its name and path, as the run's config names it) under ``root`` (default
         ``KVBENCH_HOME/prefills``)."""
         from kvbench.inputs.capture import capture_code_version
+        from kvbench.inputs.models import in_file_name
 
         key = _digest({"code": capture_code_version(), "model": list(model), "dtype": str(dtype), "device": device})
-        name = "-".join(str(m) for m in model[:1])
+        name = "-".join(in_file_name(m) for m in model[:1])
         return cls((root or home() / "prefills") / f"{name}-{key[:16]}", dtype)
 
     # ------------------------------------------------------------------ the context's KV

@@ -11,6 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from kvbench.inputs.assets import BIGBENCH_TASKS, MODELS
+from kvbench.inputs.models import model_overrides
 from kvbench.measure.evaluation import ruler
 from kvbench.measure.evaluation import task_data as data
 
@@ -66,9 +67,7 @@ def expand(names: list[str]) -> list[str]:
 
 def _rebuild(cfg: Any, task: str, *overrides: str) -> str:
     """How to build a task's data file again: delete it and rerun a command that asks for the task."""
-    sel = (lambda key: OmegaConf.select(cfg, key, default=None)) if OmegaConf.is_config(cfg) else (lambda key: None)
-    model = [f"model={sel('model.name')}"] if sel("model.name") else []
-    model += [f"model.path={sel('model.path')}"] if sel("model.path") else []
+    model = model_overrides(cfg.model) if OmegaConf.is_config(cfg) and cfg.get("model") is not None else []
     args = " ".join([*model, f"tasks=[{task}]", *overrides, f"seed={int(cfg.seed)}", "limit=1"])
     return f"delete it and rerun `python -m kvbench eval +compressor=identity {args}` to build it again"
 
@@ -123,7 +122,9 @@ def uses_chat_template(cfg: Any, tokenizer: Any) -> bool:
     has = bool(getattr(tokenizer, "chat_template", None))
     if want == "auto":
         name = str(sel("model.name", ""))
-        source = MODELS[name].hf_id if name in MODELS else str(sel("model.path", "") or "")
+        # a local checkpoint by its name (a hub id, where it has one) and its folder
+        source = (MODELS[name].hf_id if name in MODELS and sel("model.source") != "hf"
+                  else f"{name} {sel('model.path', '') or ''}")
         return has and bool(_INSTRUCT.search(source))
     if want is True and not has:
         raise ValueError("ruler.chat_template=true, but this model's tokenizer has no chat template; use false or auto")

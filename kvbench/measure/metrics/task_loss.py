@@ -17,14 +17,15 @@ from kvbench.inputs import forward
 
 
 def build_cache(model: Any, kv: KVSequence) -> Any:
-    """A transformers ``DynamicCache`` filled with ``kv``, with the model's own layer types (sliding windows)."""
+    """A transformers ``DynamicCache`` filled with ``kv``, with the model's own layer types (sliding windows), in the
+    model's dtype: the new tokens' keys are concatenated onto these, and attention takes one dtype."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
     cache = DynamicCache(config=model.config)
     for layer in range(kv.shape[0]):
-        k = kv.k[layer].unsqueeze(0).to(device=device, dtype=torch.float32)  # (1, H, T, D)
-        v = kv.v[layer].unsqueeze(0).to(device=device, dtype=torch.float32)  # (1, H, T, D)
+        k = kv.k[layer].unsqueeze(0).to(device=weight.device, dtype=weight.dtype)  # (1, H, T, D)
+        v = kv.v[layer].unsqueeze(0).to(device=weight.device, dtype=weight.dtype)  # (1, H, T, D)
         cache.update(k, v, layer)
     return cache
 

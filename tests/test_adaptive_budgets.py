@@ -212,3 +212,30 @@ def test_the_rule_takes_the_budget_and_the_scorer_keeps_its_own_fields():
 def test_bad_fields_give_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_compressor(compose(overrides).compressor)
+
+
+@pytest.mark.parametrize("name", ["adakv", "pyramidkv", "kvzip"])
+def test_rows_of_different_counts_run_in_the_task_loop_and_the_decode_loop(name):
+    """lm-eval's requests through the compressed cache and the latency loop, with each head's own entries hidden."""
+    from conftest import ByteTokenizer
+    from lm_eval.api.instance import Instance
+    from omegaconf import OmegaConf
+
+    from kvbench.cache.compressed import CompressedCache
+    from kvbench.inputs.models import ModelHandle
+    from kvbench.measure.evaluation.lm import CompressedKVLM
+    from kvbench.measure.latency import run_once
+
+    model = tiny_llama()
+    comp = make_compressor(compose([f"+compressor={name}", "compressor.keep=0.3"] + (
+        [] if name == "kvzip" else ["compressor.scorer={name:snapkv,window:8}"])).compressor)
+    handle = ModelHandle.from_loaded(model, ByteTokenizer(), OmegaConf.create({"name": "tiny", "source": "hf", "path": "x"}))
+    lm = CompressedKVLM(handle, comp, residual=0, progress=False)
+    text = "the pass key is 4711. remember it. " * 3
+    (scored,) = lm.loglikelihood([Instance("loglikelihood", {}, (text, " 4711"), 0)])
+    assert scored[0] != lm.baseline[("ll", text, " 4711")][0] and lm.accounting["compressed_tokens"] > 0
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(0)).unsqueeze(0)
+    cache = CompressedCache(comp, residual=8, chunk=1 << 20, model=handle)
+    run_once(model, ids, cache, 3, "cpu")
+    kept = cache.kept_mask(0)  # (H, tokens held)
+    assert kept is not None and not bool(kept.all()) and bool(kept[:, -10:].all())

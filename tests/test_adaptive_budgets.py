@@ -109,11 +109,15 @@ def kvpress_pyramidkv(scores: torch.Tensor, compression_ratio: float, window: in
 
 
 @pytest.mark.parametrize(("keep", "alpha", "window", "seed"),
-                         [(0.25, 0.2, 0, 0), (0.5, 0.2, 8, 1), (0.125, 0.0, 0, 2), (0.25, 1.0, 4, 3), (0.5, 0.05, 0, 4)])
+                         [(0.25, 0.2, 0, 0), (0.5, 0.2, 8, 1), (0.125, 0.0, 0, 2), (0.25, 1.0, 4, 3), (0.5, 0.05, 0, 4),
+                          (0.125, 0.05, 0, 5)])  # int(16 * 0.05) = 0: the safeguard's floor of one
 def test_adakv_keeps_the_entries_kvpress_adakvpress_keeps_on_the_same_scores(keep, alpha, window, seed):
     scores = _random_scores(5, 4, 128, seed)
+    scores[:, 0] *= 0.1  # a head whose scores all lose to the others': only the safeguard keeps any of it
     got = _kept(_rule(AdaKV, scores, window, keep=keep, alpha_safeguard=alpha), scores)
     assert torch.equal(got, kvpress_adakv(scores, 1 - keep, alpha, window))
+    n = n_kept("adakv", keep, 128)
+    assert (got[:, 0].sum(-1) == max(window, safeguard(n, alpha))).all()
 
 
 @pytest.mark.parametrize(("L", "T", "keep", "window", "beta"), [

@@ -40,10 +40,14 @@ def _tiny_gemma():
     return Gemma3ForCausalLM(cfg).eval()
 
 
-def _case(model, n=T, seed=3):
+def _case(model, n=T, seed=3, sharpen=1.0):
     """``model`` in eager attention (the one that returns its weights), its float32 cache of ``n`` random ids, and
-    a context with a byte tokenizer."""
+    a context with a byte tokenizer. ``sharpen`` multiplies every layer's logit scale: a random tiny model's
+    attention is so flat that most entries' maximum comes from the reconstruction's first query, which has seen
+    only one token of it; sharpened, the maxima fall all over the reconstruction and depend on its whole input."""
     model.set_attn_implementation("eager")
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= sharpen
     ids = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
     got = capture_window(model, ids, n, torch.float32)
     kv = KVSequence(got["k"], got["v"], ids)
@@ -81,7 +85,7 @@ def _brute_force(model, kv, chunk_size, sinks):
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_scores_are_the_max_attention_of_the_reconstruction_as_the_model_computes_it(family, chunk_size):
     model = tiny_llama() if family == "llama" else _tiny_gemma()  # GQA; sliding windows, q/k norms, own scale
-    kv, ctx = _case(model)
+    kv, ctx = _case(model, sharpen=16.0)
     prompt = repeat_prompt(ctx.model.tokenizer)
     got = reconstruction_scores("test", kv, ctx, prompt, chunk_size, sinks=4)
     torch.testing.assert_close(got, _brute_force(model, kv, chunk_size, 4), atol=2e-5, rtol=1e-4)

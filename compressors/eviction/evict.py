@@ -153,7 +153,7 @@ class Eviction(Compressor):
     budget_pool = "head"
     #: False for a rule whose rows keep different counts: the kept KV is no ``(L, H, K, D)`` sequence for ``inner``
     equal_counts = True
-    added_later = {"keep_tokens": None}
+    added_later = {"keep_tokens": None}  # runs before token budgets key as they did
 
     def __post_init__(self) -> None:
         if (self.keep is None) == (self.keep_tokens is None):

@@ -80,8 +80,9 @@ def test_roundtrip_shapes_accounting_and_checksum(name):
 def check_distortion(case) -> None:
     """The decoded cache against what the class declares of its default configuration: a relative MSE of K and of
     V (measured as the harness does, on the entries the decoder keeps) under ``max_rel_mse``; an eviction method
-    keeps its kept entries exact and drops exactly ``T - floor(keep * T)`` of every (layer, KV head); a
-    compressor that keeps every token drops none."""
+    keeps its kept entries exact and drops exactly ``T - floor(keep * T)`` of every (layer, KV head), or, under a
+    budget rule that shares them out otherwise (PyramidKV, AdaKV, KVzip), the same total in the shares its
+    :meth:`budgets` declare; a compressor that keeps every token drops none."""
     comp = case.encoder
     bound = type(comp).max_rel_mse
     assert bound is not None, f"{type(comp).__name__} declares no max_rel_mse"
@@ -96,9 +97,19 @@ def check_distortion(case) -> None:
                 assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept]), \
                     f"{case.name}: a kept entry is not the cache's"
             per_head = out.kept.sum(-1)  # (L, H)
-            want = n_kept(comp.name, comp.keep, kv.n_tokens)
-            assert (per_head == want).all(), \
-                f"{case.name} kept {per_head.tolist()} per head; keep={comp.keep} declares {want} of {kv.n_tokens}"
+            L, H, T = out.kept.shape
+            want = n_kept(comp.name, comp.keep, T) if comp.keep_tokens is None else min(comp.keep_tokens, T)
+            budget = f"keep={comp.keep}" if comp.keep_tokens is None else f"keep_tokens={comp.keep_tokens}"
+            if comp.equal_counts:
+                assert (per_head == want).all(), \
+                    f"{case.name} kept {per_head.tolist()} per head; {budget} declares {want} of {T}"
+            # a budget rule shares the same total out as it declares: per head, per layer or over the whole cache
+            pool = {"head": lambda x: x, "layer": lambda x: x.sum(1), "cache": lambda x: x.sum()}[comp.budget_pool]
+            declared = comp.budgets(L, H, T)  # (L, H)
+            assert torch.equal(pool(per_head), pool(declared)), \
+                f"{case.name} kept {per_head.tolist()} per head; its budgets are {declared.tolist()}"
+            assert int(per_head.sum()) == L * H * want, \
+                f"{case.name} kept {int(per_head.sum())} entries; {budget} declares {want} per head of {T}"
         elif comp.always_kept(kv.n_tokens) is None:
             assert out.kept is None or bool(out.kept.all()), f"{case.name} dropped tokens but declares it keeps all"
     for kind in ("k", "v"):

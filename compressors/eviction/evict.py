@@ -5,13 +5,20 @@ reported as the fraction of tokens pruned; here a method is a compressor like an
 decoder needs:
 
 - the kept KV, at 16 bits or through any ``inner`` compressor (``inner=turboquant``: eviction, then quantization
-  of what is left). Every (layer, KV head) keeps exactly ``floor(keep * T)`` entries (kvpress's count), so the kept KV packs as
-  ``(L, H, K, D)`` and the inner compressor codes it as a sequence of ``K`` tokens;
+  of what is left). By default every (layer, KV head) keeps exactly ``floor(keep * T)`` entries (kvpress's count;
+  ``keep_tokens=N``: ``N`` of them), so the kept KV packs as ``(L, H, K, D)`` and the inner compressor codes it as a
+  sequence of ``K`` tokens;
 - the kept positions of every (layer, KV head) (most methods keep different positions per head: KNorm and SnapKV
   overlap by about half between heads on SmolLM2; TOVA by default keeps one set per layer, coded once per head),
   entropy coded as whichever of two encodings is smaller,
   one flag per stream saying which (:func:`compressors.eviction.kept_positions.encode_positions`);
-- the kept count, the flag and the model of the position coder, in a small header.
+- the kept count, the flag and the model of the position coder, in a small header; every row's count where the
+  rows keep different numbers of entries.
+
+A budget rule may share the same total differently (:meth:`Eviction.budgets`, :attr:`Eviction.budget_pool`):
+PyramidKV gives deeper layers fewer entries, AdaKV lets a layer's heads share its budget, KVzip ranks the whole
+cache at once. Their kept KV is a set of unequal rows, stored at 16 bits (``inner`` takes a ``(L, H, K, D)``
+sequence, so such a rule refuses one).
 
 The decoder returns the full ``(L, H, T, D)`` shape with zeros at evicted entries and ``kept`` set; the harness
 hides evicted entries from attention at their original positions (:mod:`kvbench.cache.eviction_mask`) and measures
@@ -39,6 +46,7 @@ from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_range
 from kvbench.core.compressor import Compressor, Kept, Section, SetCompressor
+from kvbench.core.flops import prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -58,25 +66,33 @@ def n_kept(owner: str, keep: float, n_tokens: int) -> int:
     return k
 
 
-def select(scores: torch.Tensor, k: int, sinks: int = 0, window: int = 0) -> torch.Tensor:
-    """The ``k`` entries of every row of ``scores`` ``(L, H, T)`` to keep, as a ``(L, H, T)`` bool mask.
+def ranking(scores: torch.Tensor, sinks: Any = 0, window: Any = 0) -> torch.Tensor:
+    """``(L, H, T)``: every row's positions, the one kept first leading.
 
-    The first ``sinks`` and last ``window`` tokens are kept before any scored token (sinks first, earliest first,
-    then the window, latest first, when the budget cannot hold them all); the rest go by score, ties to the
-    earlier token. NaN scores rank lowest.
+    The first ``sinks`` and last ``window`` tokens come before any scored token (sinks first, earliest first,
+    then the window, latest first); the rest go by score, ties to the earlier token. NaN scores rank lowest.
+    ``sinks`` and ``window``: one count for every row, or an ``(L, H)`` tensor of counts row by row.
     """
     L, H, T = scores.shape
     pos = torch.arange(T, dtype=torch.float64)
-    tier = torch.zeros(T, dtype=torch.int64)  # (T,) 2: sink, 1: window, 0: scored
-    tier[max(0, T - window) :] = 1
-    tier[: min(sinks, T)] = 2
+    sinks = torch.as_tensor(sinks).expand(L, H).unsqueeze(-1)  # (L, H, 1)
+    window = torch.as_tensor(window).expand(L, H).unsqueeze(-1)  # (L, H, 1)
+    tier = torch.where(pos < sinks, 2, torch.where(pos >= T - window, 1, 0))  # (L, H, T) sink, window, scored
     key = torch.nan_to_num(scores.double(), nan=-math.inf)  # (L, H, T)
     key = torch.where(tier == 2, -pos, torch.where(tier == 1, pos, key))
     # lexicographic (tier, key) descending: two stable sorts, the second on the more significant key
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # (L, H, T)
-    by_tier = torch.sort(tier.expand(L, H, T).gather(-1, order), dim=-1, descending=True, stable=True).indices
-    top = order.gather(-1, by_tier)[..., :k]  # (L, H, k)
-    return torch.zeros(L, H, T, dtype=torch.bool).scatter_(-1, top, True)
+    by_tier = torch.sort(tier.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    return order.gather(-1, by_tier)  # (L, H, T)
+
+
+def select(scores: torch.Tensor, k: Any, sinks: Any = 0, window: Any = 0) -> torch.Tensor:
+    """The ``k`` entries of every row of ``scores`` ``(L, H, T)`` to keep, as a ``(L, H, T)`` bool mask, in the
+    order of :func:`ranking` (when the budget cannot hold every protected token: sinks first, then the window's
+    latest). ``k``, ``sinks`` and ``window``: one count for every row, or an ``(L, H)`` tensor of counts."""
+    L, H, T = scores.shape
+    take = torch.arange(T) < torch.as_tensor(k).expand(L, H).unsqueeze(-1)  # (L, H, T) the first k of each row
+    return torch.zeros(L, H, T, dtype=torch.bool).scatter_(-1, ranking(scores, sinks, window), take)
 
 
 def protected_kept(sinks: int, window: int, n_tokens: int, k: int, word: str = "recent") -> Kept:
@@ -114,13 +130,16 @@ class Eviction(Compressor):
     """Keep the ``keep`` fraction of tokens with the highest :meth:`scores` in every (layer, KV head).
 
     ``keep``: fraction of the ``T`` tokens each (layer, KV head) keeps, ``0 < keep <= 1`` (``floor(keep * T)``
-    entries, at least one). ``inner``: how the kept KV is stored; None stores it at 16 bits, else a compressor
-    (a config name such as ``turboquant``, a ``{name: ..., FIELD: ...}`` node or a Compressor) that codes the kept
-    vectors as a sequence of ``K`` tokens. That sequence is not contiguous in position, so an inner coder that
-    models RoPE or neighbouring tokens sees the kept tokens side by side.
+    entries, at least one). ``keep_tokens``: the alternative, a number of tokens each (layer, KV head) keeps
+    (``min(keep_tokens, T)``: a budget that outgrows a short context keeps all of it); exactly one of the two is
+    set (``keep=null keep_tokens=N`` on the command line). ``inner``: how the kept KV is stored; None stores it at
+    16 bits, else a compressor (a config name such as ``turboquant``, a ``{name: ..., FIELD: ...}`` node or a
+    Compressor) that codes the kept vectors as a sequence of ``K`` tokens. That sequence is not contiguous in
+    position, so an inner coder that models RoPE or neighbouring tokens sees the kept tokens side by side.
     """
 
-    keep: float = 0.5
+    keep: float | None = 0.5
+    keep_tokens: int | None = None
     inner: Any = None
 
     family = "eviction"
@@ -129,9 +148,21 @@ class Eviction(Compressor):
     window_word = "last"
     #: True for the method that keeps tokens regardless of content: the chance line the others are compared with
     random_baseline = False
+    #: which counts the budget fixes: ``head`` (each (layer, KV head) keeps its :meth:`budgets` entry), ``layer``
+    #: (a layer's heads share their entries' sum: AdaKV) or ``cache`` (one total for the whole cache: KVzip)
+    budget_pool = "head"
+    #: False for a rule whose rows keep different counts: the kept KV is no ``(L, H, K, D)`` sequence for ``inner``
+    equal_counts = True
+    added_later = {"keep_tokens": None}  # runs before token budgets key as they did
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or not 0 < self.keep <= 1:
+        if (self.keep is None) == (self.keep_tokens is None):
+            raise ValueError(f"{self.name}: give exactly one of keep (the fraction of tokens each layer and KV head "
+                             f"keeps) and keep_tokens (their number); got keep={self.keep!r}, "
+                             f"keep_tokens={self.keep_tokens!r} (a token budget: keep=null keep_tokens=N)")
+        if self.keep_tokens is not None:
+            check_range(self.name, "keep_tokens", self.keep_tokens, 1, 1 << 30, integer=True)
+        elif isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or not 0 < self.keep <= 1:
             raise ValueError(f"{self.name}.keep={self.keep!r} is out of range; allowed: 0 < keep <= 1 "
                              "(the fraction of tokens each layer and KV head keeps)")
         for field in ("sinks", "window"):
@@ -144,6 +175,10 @@ class Eviction(Compressor):
             if isinstance(self.inner, (SetCompressor, Eviction)) or self.inner.needs_model:
                 raise ValueError(f"{self.name}.inner={self.inner.name!r} cannot code the kept vectors: give a "
                                  "per-sequence compressor that needs no model and keeps every token (e.g. turboquant)")
+            if not self.equal_counts:
+                raise ValueError(f"{self.name}.inner={self.inner.name!r}: {self.name}'s layers and heads keep "
+                                 "different numbers of tokens, so the kept KV is no (layers, heads, tokens) sequence "
+                                 "an inner compressor takes; inner must be null (16-bit)")
             self.needs_config = bool(self.inner.needs_config)  # what the harness hands over depends on the inner
         self._stats: dict[str, float] = {}
 
@@ -157,11 +192,30 @@ class Eviction(Compressor):
         """``(sinks, window)``: how many first and last tokens are always kept (fields of the same names)."""
         return int(getattr(self, "sinks", 0)), int(getattr(self, "window", 0))
 
+    def n_keep(self, n_tokens: int) -> int:
+        """Entries each (layer, KV head) keeps of ``n_tokens``, on average where a budget rule shares them out:
+        ``floor(keep * T)`` (:func:`n_kept`), or ``min(keep_tokens, T)``."""
+        if self.keep_tokens is not None:
+            return min(int(self.keep_tokens), n_tokens)
+        return n_kept(self.name, self.keep, n_tokens)
+
+    def budgets(self, n_layers: int, n_heads: int, n_tokens: int) -> torch.Tensor:
+        """``(L, H)`` int64: the entries each (layer, KV head) keeps (within a :attr:`budget_pool` only their sum
+        is fixed); :meth:`n_keep` everywhere unless a budget rule shares the total otherwise."""
+        return torch.full((n_layers, n_heads), self.n_keep(n_tokens), dtype=torch.int64)
+
+    def protected_rows(self, n_tokens: int, budgets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sinks, window)``, each ``(L, H)``: :meth:`protected` at every row's budget."""
+        values = budgets.unique()  # (V,) sorted
+        pairs = torch.tensor([self.protected(n_tokens, int(b)) for b in values], dtype=torch.int64)  # (V, 2)
+        at = torch.searchsorted(values, budgets)  # (L, H)
+        return pairs[at, 0], pairs[at, 1]
+
     def always_kept(self, n_tokens: int) -> Kept:
         """The first and last tokens :func:`select` keeps before scoring any, at ``n_tokens``: the fields as asked,
         cut to the context and to the budget as :func:`select` cuts them (a ``window`` of 100000 on 256 tokens
         keeping half protects the last 128, and says so)."""
-        k = n_kept(self.name, self.keep, n_tokens)
+        k = self.n_keep(n_tokens)
         return protected_kept(*self.protected(n_tokens, k), n_tokens, k, self.window_word)
 
     def kept_coding(self) -> str:
@@ -177,18 +231,27 @@ class Eviction(Compressor):
     def facts(self, n_tokens: int) -> dict[str, Any]:
         return {**super().facts(n_tokens), "kept_coding": self.kept_coding(), "random_baseline": self.random_baseline}
 
+    def encode_flops_per_token(self, config: Any, n_tokens: int) -> float:
+        """A method that scores with the model's queries runs its decoder stack over the sequence once (no LM head)."""
+        return prefill_flops_per_token(config, n_tokens, head=False) if self.needs_model else 0.0
+
     def kept_mask(self, kv: KVSequence, ctx: Context) -> torch.Tensor:
         """The ``(L, H, T)`` bool mask the encoder keeps."""
         L, H, T, _ = kv.shape
-        k = n_kept(self.name, self.keep, T)
-        if k == T:
+        budgets = self.budgets(L, H, T)  # (L, H)
+        if bool((budgets == T).all()):
             return torch.ones(L, H, T, dtype=torch.bool)
         started = time.perf_counter()
         scores = self.scores(kv, ctx)
         self._add("score_s", time.perf_counter() - started)
         if tuple(scores.shape) != (L, H, T):
             raise RuntimeError(f"{self.name} scored shape {tuple(scores.shape)}; expected {(L, H, T)}")
-        return select(scores, k, *self.protected(T, k))
+        return self.choose(scores, budgets)
+
+    def choose(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """The ``(L, H, T)`` kept mask from the scores and the :meth:`budgets`: every row its own count, protected
+        tokens first (:func:`select`). A rule that pools the budget of several rows overrides it."""
+        return select(scores, budgets, *self.protected_rows(scores.shape[-1], budgets))
 
     # ---- fitted state of the inner compressor, delegated as in the pipeline
 
@@ -223,16 +286,16 @@ class Eviction(Compressor):
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
         L, H, T, D = kv.shape
         kept = self.kept_mask(kv, ctx)  # (L, H, T)
-        k = int(kept[0, 0].sum())
         pos = encode_positions(kept)
         self._add("positions_bits", pos.bits)
-        self._add("positions_gap_coded", float(pos.flag == GAPS))
+        self._add("positions_gap_coded", float((pos.flag & GAPS) == GAPS))
         sections: dict[str, Section] = {"header": pos.header, **pos.sections}
-        k_kept = kv.k[kept].reshape(L, H, k, D)  # (L, H, K, D), kept positions in order
-        v_kept = kv.v[kept].reshape(L, H, k, D)  # (L, H, K, D)
-        if self.inner is None:
-            sections.update({"k": tensor_to_bytes(k_kept), "v": tensor_to_bytes(v_kept)})
+        if self.inner is None:  # the kept entries row by row, positions in order: (N, D) each
+            sections.update({"k": tensor_to_bytes(kv.k[kept]), "v": tensor_to_bytes(kv.v[kept])})
         else:
+            k = int(kept[0, 0].sum())
+            k_kept = kv.k[kept].reshape(L, H, k, D)  # (L, H, K, D), kept positions in order
+            v_kept = kv.v[kept].reshape(L, H, k, D)  # (L, H, K, D)
             sections.update(_embed(self.inner.encode(KVSequence(k_kept, v_kept), self._inner_ctx(ctx, k))))
         return Bitstream.pack(self.name, sections)
 
@@ -246,9 +309,13 @@ class Eviction(Compressor):
         if self.inner is None:
             if "k" not in sec or "v" not in sec:
                 raise BitstreamError(f"{self.name} bitstream has no 16-bit KV (written with an inner compressor?)")
-            k_kept = tensor_from_bytes(sec["k"], ctx.dtype, (L, H, k, D))
-            v_kept = tensor_from_bytes(sec["v"], ctx.dtype, (L, H, k, D))
+            n = int(kept.sum())
+            k_kept = tensor_from_bytes(sec["k"], ctx.dtype, (n, D))
+            v_kept = tensor_from_bytes(sec["v"], ctx.dtype, (n, D))
         else:
+            if not bool((kept.sum(-1) == k).all()):
+                raise BitstreamError(f"{self.name} bitstream keeps different counts per head, but its kept KV is one "
+                                     "inner stream of equal rows")
             out = self.inner.decode(_unembed(sec), self._inner_ctx(ctx, k))
             k_kept, v_kept = out.k.to(ctx.dtype), out.v.to(ctx.dtype)
         k_full = torch.zeros(L, H, T, D, dtype=ctx.dtype)

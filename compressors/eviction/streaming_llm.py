@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compressors.eviction.evict import Eviction, n_kept, protected_kept
+from compressors.eviction.evict import Eviction, protected_kept
 from kvbench.core.compressor import Kept
 from kvbench.core.kv import Context, KVSequence
 
@@ -16,14 +16,15 @@ from kvbench.core.kv import Context, KVSequence
 class StreamingLLM(Eviction):
     """StreamingLLM (Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models with Attention Sinks",
     arXiv 2309.17453): the first ``sinks`` tokens (attention sinks) and the most recent ones; ``keep`` sets the
-    recent window to ``floor(keep * T) - sinks`` tokens. The positions cost a few bits per head."""
+    recent window to ``floor(keep * T) - sinks`` tokens (``keep_tokens``: ``keep_tokens - sinks``). The positions
+    cost a few bits per head."""
 
     sinks: int = 4
 
     name = "streaming_llm"
 
     def always_kept(self, n_tokens: int) -> Kept:
-        k = n_kept(self.name, self.keep, n_tokens)
+        k = self.n_keep(n_tokens)
         return protected_kept(self.sinks, k, n_tokens, k)
 
     def scores(self, kv: KVSequence, ctx: Context) -> torch.Tensor:

@@ -134,6 +134,11 @@ class Compressor(abc.ABC):
         config, free); 0 for a decoder that runs no model."""
         return 0.0
 
+    def encode_flops_per_token(self, config: Any, n_tokens: int) -> float:
+        """Model FLOPs the encoder spends per coded token of an ``n_tokens`` sequence (an eviction method scoring
+        with the model's queries); 0 for an encoder that runs no model."""
+        return 0.0
+
     def recent_window(self) -> int:
         """The most recent tokens this compressor keeps in the cache dtype itself while a cache decodes (KIVI's
         residual window); 0 when it keeps none. A resident cache keeps them in its own window instead, on

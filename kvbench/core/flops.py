@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def forward_flops_per_token(config: Any, context: int) -> float:
-    """FLOPs of one token's forward pass with ``context`` tokens before it (a decoder-only transformer config)."""
+def forward_flops_per_token(config: Any, context: int, head: bool = True) -> float:
+    """FLOPs of one token's forward pass with ``context`` tokens before it (a decoder-only transformer config);
+    ``head=False``: the decoder stack alone, for a pass that reads no logits (an encoder recomputing queries)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     d = int(text.hidden_size)
     heads, kv_heads = int(text.num_attention_heads), int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -21,9 +22,9 @@ def forward_flops_per_token(config: Any, context: int) -> float:
     attn_weights = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2  # q and o, k and v
     mlp_weights = 3 * d * ffn  # gate, up, down
     attention = 2 * heads * head_dim * context  # QKᵀ and AV over the context
-    return float(2 * layers * (attn_weights + mlp_weights + attention) + 2 * d * vocab)
+    return float(2 * layers * (attn_weights + mlp_weights + attention) + 2 * d * vocab * head)
 
 
-def prefill_flops_per_token(config: Any, n_tokens: int) -> float:
+def prefill_flops_per_token(config: Any, n_tokens: int, head: bool = True) -> float:
     """FLOPs per token of a prefill over ``n_tokens`` tokens (each sees, on average, half of them before it)."""
-    return forward_flops_per_token(config, n_tokens // 2)
+    return forward_flops_per_token(config, n_tokens // 2, head)

@@ -248,6 +248,8 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "decode_s_per_token": dec.seconds / n_tok if n_tok else math.nan,
         "decode_flops_per_token": compressor.decode_flops_per_token(handle.config if compressor.needs_model else None,
                                                                     context),
+        "encode_flops_per_token": compressor.encode_flops_per_token(handle.config if compressor.needs_model else None,
+                                                                    context),
         "fit_s": codec.fit_s,
         "fit_cached": codec.cached,
         "encode_MBps": baseline_mb / enc.seconds if enc.seconds else math.inf,

@@ -30,7 +30,7 @@ from kvbench.report.sections.per_model import model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import Column, pick
 
-CELL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+CELL_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                     "rel_mse_k", "rel_mse_v", "attn_logit_rel_mse", "attn_output_rel_err", "nll_base", "delta_nll",
                     "delta_nll_ci_text", "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text",
                     "recall_vs_ref", "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n",
@@ -57,9 +57,12 @@ CORRELATION_NOTE = ("Spearman's rho between each distortion and each loss over t
 
 
 def setting(d: pd.DataFrame) -> pd.Series:
-    """A coder setting across models: its curve label and nominal bits (``kivi 2``, ``turboquant range-coded 3``)."""
+    """A coder setting across models: its curve label, nominal bits and context length (``kivi 2 @1024``,
+    ``turboquant range-coded 3 @4096``): a verdict is compared across models at one length."""
     bits = d.get("compressor_params.bits", pd.Series(math.nan, index=d.index))
-    return frontier_label(d).astype(str) + bits.map(lambda b: "" if pd.isna(b) else f" {float(b):g}")
+    length = numeric(d, "context_len")
+    return (frontier_label(d).astype(str) + bits.map(lambda b: "" if pd.isna(b) else f" {float(b):g}")
+            + length.map(lambda n: "" if pd.isna(n) else f" @{int(n)}"))
 
 
 def _rank_corr(x: np.ndarray, y: np.ndarray) -> np.ndarray:

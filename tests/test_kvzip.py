@@ -30,14 +30,8 @@ T = 72
 
 
 def _tiny_gemma():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=24,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512, query_pre_attn_scalar=24)
-    return Gemma3ForCausalLM(cfg).eval()
+    return tiny_arch("gemma3", num_hidden_layers=3, num_key_value_heads=2, head_dim=32, sliding_window=24,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"])
 
 
 def _case(model, n=T, seed=3, sharpen=1.0):

@@ -7,15 +7,15 @@ On each: the captured KV is the model's own cache and its pre-RoPE keys rotate b
 reads off the attention modules give the model's own attention (what every attention-scoring eviction method and
 the attention-error metric rest on: kvpress #76, QK-norm broke SnapKV there); every compressor config passes the
 contract suite on the model's cache; the attention-error metric reads the model's attention and is 0 on the exact
-cache; the task loss on a decoded exact cache is the model's own NLL; a run measures the eval, the attention error
-and the recall probe. An architecture whose attention modules the harness cannot read is refused by name.
+cache; the task loss on a decoded exact cache is the model's own NLL; a run measures the next-token loss, the
+attention error and the recall probe; the task eval scores and generates through a compressed cache. An architecture whose attention modules the harness cannot read is refused by name.
 """
 
 import math
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, CharTokenizer, tiny_arch
+from conftest import ARCHITECTURES, ByteTokenizer, CharTokenizer, tiny_arch
 from omegaconf import OmegaConf
 from stream_cases import ALL, check_distortion, check_roundtrip, instantiate, model_case
 from transformers import DynamicCache
@@ -172,6 +172,36 @@ def test_a_run_measures_the_eval_the_attention_error_and_the_recall_probe(arch, 
     evicted, _ = runner.measure(cfg, make_compressor(cfg.compressor), handle)
     assert evicted["nll_base"] == exact["nll_base"] and math.isfinite(evicted["delta_nll"])
     assert evicted["attn_output_rel_err"] > 0 and evicted["delta_nll_recall"] != 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_task_eval_scores_and_generates_through_a_compressed_cache(arch):
+    """lm-eval's requests: the exact cache gives the uncompressed baseline's log-likelihood and text; SnapKV keeping
+    a quarter changes the score, except where every layer slides (Mistral, Phi-3) and the kept quarter holds every
+    key the windows still reach."""
+    from lm_eval.api.instance import Instance
+
+    from kvbench.inputs.models import ModelHandle
+    from kvbench.measure.evaluation.lm import CompressedKVLM
+
+    handle = ModelHandle.from_loaded(tiny_arch(arch), ByteTokenizer(),
+                                     OmegaConf.create({"name": "hf", "source": "hf", "path": "unused"}))
+    context = "the pass key is 4711. remember it. " * 3
+    request = Instance("loglikelihood", {}, (context, " 4711"), 0)
+    generate = Instance("generate_until", {}, (context, {"until": ["\n"], "max_gen_toks": 4}), 1)
+    exact = CompressedKVLM(handle, instantiate("identity"), residual=0, progress=False)
+    (scored,) = exact.loglikelihood([request])
+    base = exact.baseline[("ll", context, " 4711")]
+    assert scored == base and math.isfinite(scored[0])
+    text = exact.generate_until([generate])[0]
+    evicted = CompressedKVLM(handle, instantiate("snapkv", ("compressor.window=4", "compressor.keep=0.25")),
+                             residual=0, progress=False)
+    (dropped,) = evicted.loglikelihood([request])
+    every_layer_slides = arch in ("mistral", "phi3")
+    assert math.isfinite(dropped[0]) and (dropped[0] == base[0]) == every_layer_slides
+    assert evicted.accounting["compressed_tokens"] > 0
+    if every_layer_slides:
+        assert evicted.generate_until([generate])[0] == text
 
 
 def _gpt_neox():

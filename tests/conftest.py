@@ -39,15 +39,45 @@ class ByteTokenizer:
         return 128
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, head_dim: int = 16):
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: what every tiny model shares: 2 layers, 4 query heads of 16 channels, the 128 byte ids the test tokenizers give
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             head_dim=16, max_position_embeddings=512)
 
+#: per architecture: its transformers config and model class names and what sets it apart, as config fields
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2)),  # GQA
+    "mha": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),  # one KV head per query head
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=8)),  # every layer
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2)),  # per-head q_norm / k_norm
+    # QK-norm, one KV head (MQA), a local layer then a global one with their own RoPE bases, its own logit scale
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_key_value_heads=1, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24)),
+    # fused qkv_proj, a sliding window on every layer (Phi-3-mini's 2047, shrunk) and half the channels rotated
+    # (Phi-4-mini's partial RoPE, the same model class)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, sliding_window=12, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
+    # q_norm / k_norm over all heads' channels at once, before the split into heads
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                                      eos_token_id=2)),
+}
+
+
+def tiny_arch(name: str, seed: int = 0, **config):
+    """A tiny random causal LM of architecture ``name`` (a key of :data:`ARCHITECTURES`) in eval mode, built from a
+    config (no download) with ``torch.manual_seed(seed)``; ``config`` overrides fields of it."""
+    import transformers
+
+    config_class, model_class, own = ARCHITECTURES[name]
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    cfg = getattr(transformers, config_class)(**{**_TINY, **own, **config})
+    return getattr(transformers, model_class)(cfg).eval()
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, head_dim: int = 16):
+    return tiny_arch("llama", seed, num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim)
 
 
 def tiny_windows(lengths, seed: int = 7, model_seed: int = 5):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_arch, tiny_llama
 
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.capture import capture_window
@@ -20,14 +20,8 @@ T, E = 24, 9  # prefix tokens; scored positions (the continuation holds E + 1 id
 
 
 def _tiny_gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
-                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                           max_position_embeddings=512, query_pre_attn_scalar=24)
-    return Gemma3ForCausalLM(cfg).eval()
+    return tiny_arch("gemma3", num_hidden_layers=3, head_dim=32,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 def _tiny_gemma2():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_arch, tiny_llama
 from transformers import DynamicCache
 
 from kvbench.core.config import make_compressor
@@ -25,14 +25,7 @@ from kvbench.sweep.cells import run_cell
 def tiny_gemma3(cap: float = 0.5):
     """A tiny random Gemma 3: one sliding-window layer (window 8) and one full, two KV heads with per-head key
     norms, final-logit soft-capping at ``cap`` (small, so that capping changes every log-probability)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                           layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=cap,
-                           max_position_embeddings=512)
-    return Gemma3ForCausalLM(cfg).eval()
+    return tiny_arch("gemma3", num_key_value_heads=2, final_logit_softcapping=cap, query_pre_attn_scalar=256)
 
 
 def _model_logprobs(model, ids):

@@ -11,15 +11,14 @@ import dataclasses
 
 import pytest
 import torch
-from stream_cases import ALL, VARIANTS, build, instantiate, model_case, needs_model
+from stream_cases import ALL, VARIANTS, build, check_distortion, check_roundtrip, instantiate, model_case, needs_model
 
-from compressors.eviction.evict import Eviction, n_kept
+from compressors.eviction.evict import n_kept
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.core.codec import decoder_for, state_bytes
 from kvbench.core.compressor import rebuild
 from kvbench.core.config import compose, make_compressor
 from kvbench.core.kv import Context
-from kvbench.measure.metrics.distortion import DistortionAccumulator
 from kvbench.store.paths import repo_root
 
 _instantiate = instantiate
@@ -39,22 +38,6 @@ def test_the_contract_covers_every_compressor_config():
         "snapkv", "tova", "h2o", "expected_attention", "recompute", "speculative"}
 
 
-def _check_roundtrip(case, outs):
-    comp = case.encoder
-    assert len(outs) == len(case.kvs)
-    for out, kv, ctx in zip(outs, case.kvs, case.ctxs):
-        assert out.shape == kv.shape == ctx.shape and out.k.dtype == out.v.dtype == kv.k.dtype
-        if comp.lossless:
-            assert torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
-        if out.tokens is not None:  # a decoder that returns token ids decoded them from its own stream
-            assert torch.equal(out.tokens, kv.tokens)
-        if out.kept is not None:  # eviction: what is kept is the 16-bit KV, what is dropped is zero
-            kept = out.kept.unsqueeze(-1).expand_as(out.k)  # (L, H, T, D)
-            assert kept.any() and (out.k[~kept] == 0).all() and (out.v[~kept] == 0).all()
-            if getattr(comp, "inner", None) is None:
-                assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept])
-
-
 @pytest.mark.parametrize("name", ALL + list(VARIANTS))
 def test_roundtrip_shapes_accounting_and_checksum(name):
     case = build(name)
@@ -67,7 +50,7 @@ def test_roundtrip_shapes_accounting_and_checksum(name):
     dec = decoder_for(comp, state_bytes(comp))
     assert dec is not comp and type(dec) is type(comp)
     out = case.decode(bs.data, dec)
-    _check_roundtrip(case, out)
+    check_roundtrip(case, out)
     again = case.decode(bs.data, comp)
     for a, b in zip(again, out):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
@@ -75,47 +58,6 @@ def test_roundtrip_shapes_accounting_and_checksum(name):
     bad[len(bad) // 2] ^= 0x01
     with pytest.raises(BitstreamError, match="checksum"):
         case.decode(bytes(bad), dec)
-
-
-def check_distortion(case) -> None:
-    """The decoded cache against what the class declares of its default configuration: a relative MSE of K and of
-    V (measured as the harness does, on the entries the decoder keeps) under ``max_rel_mse``; an eviction method
-    keeps its kept entries exact and drops exactly ``T - floor(keep * T)`` of every (layer, KV head), or, under a
-    budget rule that shares them out otherwise (PyramidKV, AdaKV, KVzip), the same total in the shares its
-    :meth:`budgets` declare; a compressor that keeps every token drops none."""
-    comp = case.encoder
-    bound = type(comp).max_rel_mse
-    assert bound is not None, f"{type(comp).__name__} declares no max_rel_mse"
-    dist = DistortionAccumulator()
-    for kv, out in zip(case.kvs, case.decoded):
-        dist.add("k", kv.k, out.k, out.kept)
-        dist.add("v", kv.v, out.v, out.kept)
-        if isinstance(comp, Eviction):
-            assert out.kept is not None, f"{case.name} evicted nothing"
-            kept = out.kept.unsqueeze(-1).expand_as(out.k)  # (L, H, T, D)
-            if comp.inner is None:
-                assert torch.equal(out.k[kept], kv.k[kept]) and torch.equal(out.v[kept], kv.v[kept]), \
-                    f"{case.name}: a kept entry is not the cache's"
-            per_head = out.kept.sum(-1)  # (L, H)
-            L, H, T = out.kept.shape
-            want = n_kept(comp.name, comp.keep, T) if comp.keep_tokens is None else min(comp.keep_tokens, T)
-            budget = f"keep={comp.keep}" if comp.keep_tokens is None else f"keep_tokens={comp.keep_tokens}"
-            if comp.equal_counts:
-                assert (per_head == want).all(), \
-                    f"{case.name} kept {per_head.tolist()} per head; {budget} declares {want} of {T}"
-            # a budget rule shares the same total out as it declares: per head, per layer or over the whole cache
-            pool = {"head": lambda x: x, "layer": lambda x: x.sum(1), "cache": lambda x: x.sum()}[comp.budget_pool]
-            declared = comp.budgets(L, H, T)  # (L, H)
-            assert torch.equal(pool(per_head), pool(declared)), \
-                f"{case.name} kept {per_head.tolist()} per head; its budgets are {declared.tolist()}"
-            assert int(per_head.sum()) == L * H * want, \
-                f"{case.name} kept {int(per_head.sum())} entries; {budget} declares {want} per head of {T}"
-        elif comp.always_kept(kv.n_tokens) is None:
-            assert out.kept is None or bool(out.kept.all()), f"{case.name} dropped tokens but declares it keeps all"
-    for kind in ("k", "v"):
-        got = dist.rel_mse(kind)
-        assert got <= bound, (f"{case.name}: relative MSE of {kind.upper()} is {got:.4g} on the tiny model's cache, "
-                              f"over the {bound} {type(comp).__name__}.max_rel_mse declares")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -138,7 +80,7 @@ def test_a_lossy_decoder_returning_zeros_fails_the_contract(target, monkeypatch)
 
     monkeypatch.setattr(cls, "decode", zeros)
     case = model_case.__wrapped__(cls.name)  # built afresh, past the cache of honest cases
-    _check_roundtrip(case, case.decoded)  # the shape contract holds ...
+    check_roundtrip(case, case.decoded)  # the shape contract holds ...
     with pytest.raises(AssertionError, match=f"{cls.name}: relative MSE of K is 1 on the tiny model's cache"):
         check_distortion(case)  # ... the distortion contract does not
 
@@ -150,7 +92,7 @@ def test_an_eviction_method_keeping_other_than_it_declares_fails_the_contract(mo
 
     monkeypatch.setattr(evict, "n_kept", lambda owner, keep, n: n_kept(owner, keep, n) + 8)
     case = model_case.__wrapped__("knorm")
-    _check_roundtrip(case, case.decoded)
+    check_roundtrip(case, case.decoded)
     want = n_kept("knorm", case.encoder.keep, case.kvs[0].n_tokens)
     with pytest.raises(AssertionError, match=rf"knorm kept \[\[{want + 8}, .* declares {want} of"):
         check_distortion(case)
@@ -169,7 +111,7 @@ def test_model_backed_compressors_roundtrip_on_the_packaged_model(name, packaged
     comp.fit([kv], config=handle.model.config)  # a fitted coder learns from the window it codes: a shape check only
     case = Case(name, comp, decoder_for(comp, state_bytes(comp)), [kv], [ctx], comp.encode(kv, ctx))
     assert sum(case.stream.parts.values()) == case.stream.num_bits
-    _check_roundtrip(case, case.decode(case.stream.data))
+    check_roundtrip(case, case.decode(case.stream.data))
 
 
 def _packaged_tokens(comp) -> int:

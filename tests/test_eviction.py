@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_arch, tiny_llama
 
 from compressors.eviction.evict import n_kept, select
 from compressors.eviction.expected_attention import ExpectedAttention
@@ -461,14 +461,9 @@ def test_a_run_counts_positions_and_reports_the_dropped_share(tiny_cfg, tiny_han
 
 
 def _tiny_gemma(sliding_window: int, kv_heads: int = 1):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, sliding_window=sliding_window,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512, query_pre_attn_scalar=24)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_arch("gemma3", num_hidden_layers=3, num_key_value_heads=kv_heads, head_dim=32,
+                      sliding_window=sliding_window,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     model.set_attn_implementation("eager")
     return model
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_arch, tiny_llama
 
 from compressors.quantizers.kvquant import HIST_BINS, KVQuant, index_bits, lloyd_1d, outlier_count
 from kvbench.coding.bitstream import Bitstream, BitstreamError
@@ -86,13 +86,7 @@ def test_error_shrinks_as_bits_grow(random_kv):
 def biased_llama(seed: int = 0):
     """A tiny Llama whose key projection has large per-channel offsets: before RoPE those channels are nearly
     constant, after RoPE they swing with the position (the structure KVQuant's pre-RoPE keys exploit)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      attention_bias=True)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_arch("llama", seed, attention_bias=True)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.k_proj.bias.copy_(4 * torch.randn(layer.self_attn.k_proj.bias.shape))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_llama
+from conftest import ARCHITECTURES, CharTokenizer, tiny_arch, tiny_llama
 
 from compressors.eviction.evict import n_kept
 from compressors.eviction.kvzip import KVzip
@@ -30,14 +30,8 @@ T = 72
 
 
 def _tiny_gemma():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=24,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512, query_pre_attn_scalar=24)
-    return Gemma3ForCausalLM(cfg).eval()
+    return tiny_arch("gemma3", num_hidden_layers=3, num_key_value_heads=2, head_dim=32, sliding_window=24,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"])
 
 
 def _case(model, n=T, seed=3, sharpen=1.0):
@@ -82,9 +76,9 @@ def _brute_force(model, kv, chunk_size, sinks):
 
 
 @pytest.mark.parametrize("chunk_size", [T, 32])  # one chunk; three, the later ones after the previous 8 tokens
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["gemma", *ARCHITECTURES])  # and every architecture conftest builds
 def test_scores_are_the_max_attention_of_the_reconstruction_as_the_model_computes_it(family, chunk_size):
-    model = tiny_llama() if family == "llama" else _tiny_gemma()  # GQA; sliding windows, q/k norms, own scale
+    model = _tiny_gemma() if family == "gemma" else tiny_arch(family)  # gemma: sliding windows, q/k norms, own scale
     kv, ctx = _case(model, sharpen=16.0)
     prompt = repeat_prompt(ctx.model.tokenizer)
     got = reconstruction_scores("test", kv, ctx, prompt, chunk_size, sinks=4)

@@ -2,23 +2,19 @@
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_arch, tiny_llama
 
 from kvbench.core.rope import Rotary
 from kvbench.inputs.capture import capture_window
 
 
 def _tiny_gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                           sliding_window=16, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                                            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0,
-                                                               "factor": 8.0}})
-    return Gemma3ForCausalLM(cfg).eval()
+    return tiny_arch("gemma3", num_hidden_layers=3, num_attention_heads=2, head_dim=32, sliding_window=16,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                     query_pre_attn_scalar=256,
+                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                      "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0,
+                                                         "factor": 8.0}})
 
 
 def _llama3_scaled():

@@ -2,6 +2,7 @@
 has exactly the NLL of one forward pass over prefix + continuation, although the prefix is longer than the window."""
 
 import torch
+from conftest import tiny_arch
 
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.capture import capture_window
@@ -9,13 +10,9 @@ from kvbench.measure.metrics.task_loss import continuation_nll
 
 
 def tiny_gemma3(window: int = 8):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
-                           max_position_embeddings=256)
-    return Gemma3ForCausalLM(cfg).eval()
+    """Six layers of Gemma 3's own pattern (five local, one global), two query heads on one KV head."""
+    return tiny_arch("gemma3", num_hidden_layers=6, num_attention_heads=2, head_dim=32, sliding_window=window,
+                     layer_types=None, query_pre_attn_scalar=256, max_position_embeddings=256)
 
 
 def test_gemma3_sliding_layers_capture_full_kv_and_score_exactly():

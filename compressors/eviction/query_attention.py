@@ -36,7 +36,7 @@ def capture_queries(owner: str, kv: KVSequence, ctx: Context, first: int) -> Que
     """Run the model on ``kv.tokens`` and recompute the queries of tokens ``first ..`` from each attention's input.
 
     The queries are read off each attention module by :func:`kvbench.inputs.model_queries.tap_queries` (its own
-    ``q_proj``, and ``q_norm`` where the model has one) in one pass of the decoder stack (no LM head). RoPE is
+    query projection, and ``q_norm`` where the model has one) in one pass of the decoder stack (no LM head). RoPE is
     applied with :class:`kvbench.core.rope.Rotary` at the queries' own positions (``ctx.start + t``). As a guard,
     the same pass recomputes every layer's keys; they must match the cached ones, else the model is not the one that
     made the cache (or the segment does not start the sequence: its queries would depend on tokens before it, which
@@ -48,7 +48,7 @@ def capture_queries(owner: str, kv: KVSequence, ctx: Context, first: int) -> Que
     decoder = decoder_stack(model, owner)
     device = next(model.parameters()).device
     T = kv.n_tokens
-    with tap_queries(decoder, slice(first, None), keys=True) as tap:
+    with tap_queries(decoder, slice(first, None), keys=True, owner=owner) as tap:
         positions = torch.arange(ctx.start, ctx.start + T, device=device).unsqueeze(0)  # (1, T)
         decoder(input_ids=kv.tokens.to(device).unsqueeze(0), position_ids=positions, use_cache=False)
     if len(tap.q) != kv.shape[0]:

@@ -22,6 +22,7 @@ import torch
 from compressors.eviction.query_attention import QUERY_CHUNK, capture_queries, decoder_stack
 from kvbench.core.flops import forward_flops_per_token, prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
+from kvbench.inputs.attention_modules import attention_modules, project, sliding_window, softcap
 
 #: the reference's repeat prompts, for the first chunk and for each later one
 REPEAT = "\n\nRepeat the previous context exactly."
@@ -86,12 +87,7 @@ def chunk_bounds(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
 def _project(attn: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``(Hq, R, D)`` and keys ``(H, R, D)`` of the attention module's input ``hidden`` ``(1, R, hidden)``,
     before RoPE (after the model's q/k norms), float32."""
-    D, R = attn.head_dim, hidden.shape[1]
-    q = attn.q_proj(hidden).view(1, R, -1, D).transpose(1, 2)  # (1, Hq, R, D)
-    k = attn.k_proj(hidden).view(1, R, -1, D).transpose(1, 2)  # (1, H, R, D)
-    if getattr(attn, "q_norm", None) is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return q[0].float().cpu(), k[0].float().cpu()
+    return project(attn, "q", hidden)[0].float().cpu(), project(attn, "k", hidden)[0].float().cpu()
 
 
 @dataclass
@@ -117,18 +113,18 @@ def _reconstruct(model: Any, kv: KVSequence, ctx: Context, ids: torch.Tensor) ->
     cache = DynamicCache()  # full layers: a sliding layer's window is applied by the model's own mask
     for layer in range(kv.shape[0]):
         cache.update(kv.k[layer].unsqueeze(0).to(device, dtype), kv.v[layer].unsqueeze(0).to(device, dtype), layer)
-    q, k, scaling, sliding, softcap = [], [], [], [], []
+    q, k, scaling, sliding, softcaps = [], [], [], [], []
 
     def hook(attn: Any, args: tuple, kwargs: dict) -> None:
         qi, ki = _project(attn, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
         q.append(qi)
         k.append(ki)
         scaling.append(float(attn.scaling))
-        sliding.append(getattr(attn, "sliding_window", None))
-        softcap.append(getattr(attn, "attn_logit_softcapping", None))
+        sliding.append(sliding_window(attn))
+        softcaps.append(softcap(attn))
 
     decoder = decoder_stack(model, "kvzip")
-    hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder.layers]
+    hooks = [attn.register_forward_pre_hook(hook, with_kwargs=True) for attn in attention_modules(decoder, "kvzip")]
     try:
         positions = torch.arange(ctx.start + T, ctx.start + T + R, device=device).unsqueeze(0)  # (1, R)
         decoder(input_ids=ids.to(device).unsqueeze(0), position_ids=positions, cache=cache, use_cache=True)
@@ -137,7 +133,7 @@ def _reconstruct(model: Any, kv: KVSequence, ctx: Context, ids: torch.Tensor) ->
             h.remove()
     rope = Rotary(model.config)
     return _Pass(rope.apply(torch.stack(q), ctx.start + T), rope.apply(torch.stack(k), ctx.start + T), scaling,
-                 sliding, softcap)
+                 sliding, softcaps)
 
 
 def _chunk_scores(p: _Pass, layer: int, keys: torch.Tensor, start: int, end: int, sinks: int) -> torch.Tensor:

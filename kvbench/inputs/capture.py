@@ -1,6 +1,7 @@
 """Capturing real KV caches: prefill each window with the model and keep every layer's K and V.
 
-Keys are post-RoPE, as the cache holds them (``capture.pre_rope=true`` also keeps the pre-RoPE keys). The
+Keys are post-RoPE, as the cache holds them (``capture.pre_rope=true`` also keeps the pre-RoPE keys: the key
+projection's output after the layer's ``k_norm``, as :mod:`kvbench.inputs.attention_modules` reads them). The
 prefill runs with a cache of full layers only, so sliding-window layers (Gemma 3) keep their whole K/V instead of
 the last ``window`` tokens. Each token's log-probability under the model is recorded too: its mean is the
 entropy bound's empirical side, H(token | history).
@@ -33,6 +34,7 @@ from safetensors.torch import load, save_file
 from kvbench import __version__
 from kvbench.core.kv import KVSequence
 from kvbench.inputs.assets import AssetError
+from kvbench.inputs.attention_modules import attention_modules, heads, projection
 from kvbench.inputs.data import draw_windows, load_documents
 from kvbench.inputs.footprint import check_fits, estimate
 from kvbench.inputs.forward import decoder_of, scored_forward
@@ -102,14 +104,19 @@ def capture_window(model: Any, ids: torch.Tensor, seq_len: int, dtype: torch.dty
 
     device = next(model.parameters()).device
     prefix = ids[:seq_len].to(device)  # (T,)
-    layers = decoder_of(model).layers
-    pre: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, one block per chunk fed
+    decoder = decoder_of(model)
+    pre: list[list[torch.Tensor]] = [[] for _ in decoder.layers]  # per layer, one block per chunk fed
 
-    def keep(i: int, attn: Any) -> Any:
-        return lambda _m, _i, out: pre[i].append(_pre_rope_keys(attn, out).to("cpu", dtype))  # (H, c, D)
+    def keep(i: int, attn: Any, columns: slice | None) -> Any:
+        def hook(_m: Any, _i: Any, out: torch.Tensor) -> None:
+            pre[i].append(heads(attn, "k", out.detach(), columns)[0].to("cpu", dtype))  # (H, c, D)
+        return hook
 
-    hooks = [layer.self_attn.k_proj.register_forward_hook(keep(i, layer.self_attn))
-             for i, layer in enumerate(layers)] if pre_rope else []
+    hooks = []
+    if pre_rope:  # on the module that projects the keys (k_proj, or Phi-3's fused qkv_proj): its output, normed
+        for i, attn in enumerate(attention_modules(decoder, "capture.pre_rope")):
+            module, columns = projection(attn, "k")
+            hooks.append(module.register_forward_hook(keep(i, attn, columns)))
     try:
         cache = DynamicCache()  # full layers only: sliding-window layers keep all T tokens
         logprobs = scored_forward(model, prefix, cache, prefix[1:])  # (T-1,)
@@ -121,19 +128,6 @@ def capture_window(model: Any, ids: torch.Tensor, seq_len: int, dtype: torch.dty
     if pre_rope:
         result["k_pre_rope"] = torch.stack([torch.cat(p, dim=1) for p in pre])  # (L, H, T, D)
     return result
-
-
-def _pre_rope_keys(attn: Any, out: torch.Tensor) -> torch.Tensor:
-    """The keys before RoPE ``(H, c, D)`` from one chunk's ``k_proj`` output ``(1, c, H * D)``, with the layer's
-    ``k_norm`` applied where it has one, over each head (Gemma 3, Qwen 3) or over all heads at once (OLMo 2) as its
-    weight's size says: the model's own layouts around the norm differ, its input does not."""
-    D = attn.head_dim
-    k = out.detach()[0].view(out.shape[1], -1, D)  # (c, H, D)
-    norm = getattr(attn, "k_norm", None)
-    if norm is not None:
-        weight = getattr(norm, "weight", None)
-        k = norm(k) if weight is None or weight.shape[-1] == D else norm(k.flatten(1)).view_as(k)
-    return k.transpose(0, 1)  # (H, c, D)
 
 
 def _cache_kv(cache: Any, dtype: torch.dtype, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +150,7 @@ def _cache_kv(cache: Any, dtype: torch.dtype, seq_len: int) -> tuple[torch.Tenso
 #: the modules whose code decides what a captured trace holds (windows drawn from the text, the model as loaded, the
 #: forward pass and what is kept of it): their source is part of every trace's cache key
 CAPTURE_CODE = ("kvbench.inputs.capture", "kvbench.inputs.forward", "kvbench.inputs.data", "kvbench.inputs.layout",
-                "kvbench.inputs.models", "kvbench.core.kv")
+                "kvbench.inputs.models", "kvbench.inputs.attention_modules", "kvbench.core.kv")
 
 
 def capture_code_version() -> str:

@@ -1,13 +1,13 @@
 """The queries a model forms, read off its attention modules during a forward pass, and the logits they give.
 
 Keys alone do not give queries and the attention modules do not return them, so :func:`tap_queries` puts a forward
-pre-hook on every attention module that applies the module's own ``q_proj`` (and ``q_norm`` where the model has
-one) to the hidden states it receives: the queries are the model's, from its own weights, in whatever pass the
-caller runs (the prefix alone, or a continuation on top of a cache). RoPE is left to the caller, who knows the
-positions (:class:`kvbench.core.rope.Rotary`). Two users: the eviction scorers' query capture
-(``compressors.eviction.query_attention``) and the harness's attention-error metric
-(:mod:`kvbench.measure.metrics.attention_error`); :func:`masked_logits` is the one place both turn queries and keys
-into the logits the model would form.
+pre-hook on every attention module that applies the module's own query projection (and ``q_norm`` where the model
+has one; :mod:`kvbench.inputs.attention_modules` reads each architecture's) to the hidden states it receives: the
+queries are the model's, from its own weights, in whatever pass the caller runs (the prefix alone, or a continuation
+on top of a cache). RoPE is left to the caller, who knows the positions (:class:`kvbench.core.rope.Rotary`). Two
+users: the eviction scorers' query capture (``compressors.eviction.query_attention``) and the harness's
+attention-error metric (:mod:`kvbench.measure.metrics.attention_error`); :func:`masked_logits` is the one place both
+turn queries and keys into the logits the model would form.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kvbench.inputs.attention_modules import attention_modules, project, sliding_window, softcap
 
 
 def model_module(ref: Any, owner: str) -> torch.nn.Module:
@@ -47,30 +49,24 @@ class Tap:
 
 
 @contextmanager
-def tap_queries(decoder: torch.nn.Module, pick: slice | torch.Tensor, keys: bool = False) -> Iterator[Tap]:
+def tap_queries(decoder: torch.nn.Module, pick: slice | torch.Tensor, keys: bool = False,
+                owner: str = "the harness") -> Iterator[Tap]:
     """Within the block, every forward pass of ``decoder`` appends to the yielded :class:`Tap` each layer's queries
     of the input positions ``pick`` (a slice, or ``(n,)`` indices on the model's device) and, with ``keys``, the
-    keys of every input position (to check the pass against a cache)."""
+    keys of every input position (to check the pass against a cache). A model whose attention modules cannot be read
+    is refused before any pass (:func:`kvbench.inputs.attention_modules.attention_modules`, naming ``owner``)."""
     tap = Tap()
 
     def hook(attn: Any, args: tuple, kwargs: dict) -> None:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (1, T, hidden)
-        D = attn.head_dim
-        chosen = hidden[:, pick]  # (1, n, hidden)
-        q = attn.q_proj(chosen).view(1, chosen.shape[1], -1, D).transpose(1, 2)  # (1, Hq, n, D)
-        if getattr(attn, "q_norm", None) is not None:
-            q = attn.q_norm(q)
-        tap.q.append(q[0].float().cpu())
+        tap.q.append(project(attn, "q", hidden[:, pick])[0].float().cpu())  # (Hq, n, D)
         if keys:
-            k = attn.k_proj(hidden).view(1, hidden.shape[1], -1, D).transpose(1, 2)  # (1, H, T, D)
-            if getattr(attn, "k_norm", None) is not None:
-                k = attn.k_norm(k)
-            tap.k.append(k[0].float().cpu())
+            tap.k.append(project(attn, "k", hidden)[0].float().cpu())  # (H, T, D)
         tap.scaling.append(float(attn.scaling))
-        tap.sliding.append(getattr(attn, "sliding_window", None))
-        tap.softcap.append(getattr(attn, "attn_logit_softcapping", None))
+        tap.sliding.append(sliding_window(attn))
+        tap.softcap.append(softcap(attn))
 
-    hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder.layers]
+    hooks = [attn.register_forward_pre_hook(hook, with_kwargs=True) for attn in attention_modules(decoder, owner)]
     try:
         yield tap
     finally:

@@ -9,11 +9,11 @@ figures measure the error where the model reads it, at the positions the run sco
 ``c_0 .. c_E``; the model reads ``c_0 .. c_{E-1}`` at positions ``T .. T + E - 1`` to score ``c_1 .. c_E``. Those
 ``E`` inputs are the scored positions. :func:`continuation_queries` runs the decoder stack on them over a cache built
 from the *exact* prefix KV (as the baseline scores them) and reads each layer's queries off its attention modules
-(:func:`kvbench.inputs.model_queries.tap_queries`: the module's ``q_proj``, ``q_norm`` where it has one), RoPE at
-their own positions. ``metrics.attn_queries`` evenly spaced ones of the ``E`` are kept (all of them where ``E`` is
-smaller), in float16: they are the same for every cell on a trace, and the harness keeps them per process. Since the
-queries come from the exact pass, each layer's figure is that layer's own error on the same inputs, not the error
-an earlier layer's distortion propagates into later hidden states.
+(:func:`kvbench.inputs.model_queries.tap_queries`: the module's query projection, ``q_norm`` where it has one),
+RoPE at their own positions. ``metrics.attn_queries`` evenly spaced ones of the ``E`` are kept (all of them where
+``E`` is smaller), in float16: they are the same for every cell on a trace, and the harness keeps them per
+process. Since the queries come from the exact pass, each layer's figure is that layer's own error on the same
+inputs, not the error an earlier layer's distortion propagates into later hidden states.
 
 **Keys.** Only the prefix's keys ``k_t`` (``t < T``) are measured: the continuation's own keys are computed exactly
 in both passes and are left out. Every prefix key precedes every query, so causality holds by itself; a
@@ -89,7 +89,8 @@ def continuation_queries(model: Any, kv: KVSequence, continuation: torch.Tensor,
     decoder = decoder_stack(model, "the attention-error metric")
     device = next(model.parameters()).device
     positions = torch.arange(T, T + E, device=device).unsqueeze(0)  # (1, E)
-    with tap_queries(decoder, picks.to(device)) as tap:
+    owner = "the attention-error metric (metrics.attn_queries=0 measures a run without it)"
+    with tap_queries(decoder, picks.to(device), owner=owner) as tap:
         decoder(input_ids=continuation[:-1].to(device).unsqueeze(0), position_ids=positions,
                 cache=build_cache(model, kv), use_cache=True)
     if len(tap.q) != kv.shape[0]:

@@ -4,11 +4,16 @@ Shared by the contract suite (tests/test_compressors_base.py), the fuzz tests (t
 scripts/reliability.py. Compressors that need a model run on conftest's tiny random Llama (``needs_model``: its
 KV, token ids and weights in the context); the others on random 16-bit KV with channel outliers, fitted on another
 draw. The decoder is always another instance: rebuilt from the config, it knows the fitted state only as bytes.
+
+``KVBENCH_TEST_DEVICE`` (default ``cpu``; ``cuda`` or ``cuda:N`` where torch sees that GPU) is where the tiny model
+runs: its captures and the model-backed coders' forward passes (scripts/device_check.sh runs the contract suite so
+on a GPU). The KV itself stays in host memory, as a captured trace holds it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -65,11 +70,24 @@ def config_for(kv: KVSequence) -> Any:
                        num_attention_heads=H, num_key_value_heads=H, head_dim=D, max_position_embeddings=512)
 
 
+def device_under_test() -> str:
+    """``KVBENCH_TEST_DEVICE``, checked as the run config's ``device`` is: a GPU torch does not see is an error, never
+    a run on the CPU filed as the GPU's."""
+    from kvbench.sweep.config_check import check_device
+
+    device = os.environ.get("KVBENCH_TEST_DEVICE", "").strip() or "cpu"
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise ValueError(f"KVBENCH_TEST_DEVICE: {e}") from None
+    return device
+
+
 @functools.lru_cache(maxsize=1)
 def tiny_model() -> Any:
     from conftest import tiny_llama
 
-    return tiny_llama()
+    return tiny_llama().to(device_under_test())
 
 
 def model_kv(T: int, seed: int = 0) -> KVSequence:

@@ -32,6 +32,7 @@ from kvbench.coding.bitstream import Bitstream
 from kvbench.core.compressor import SetCompressor
 from kvbench.core.config import available, compose, make_compressor
 from kvbench.core.kv import Context
+from kvbench.core.timing import Stopwatch
 from kvbench.inputs.capture import load_or_capture
 from kvbench.inputs.models import ModelHandle
 
@@ -43,10 +44,15 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float, config=None) -> dict:
-    """Fit, warm up, then time encode and decode over ``seqs``; returns MB/s (best and median) and bits."""
+def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float, config=None, device: str = "cpu",
+                    fit: bool = True) -> dict:
+    """Fit (unless ``fit`` is false: ``comp`` is fitted already), warm up, then time encode and decode over ``seqs``;
+    returns MB/s (best and median) and bits. Each call is timed by :class:`~kvbench.core.timing.Stopwatch` on
+    ``device`` (on a GPU: CUDA events after a synchronize, so queued kernels are counted; ``perf_counter`` on the
+    CPU); ``decoded_on`` is where the decoder left the KV."""
     t0 = time.perf_counter()
-    comp.fit(calib, config=config)  # as the harness fits: the free model config (RoPE undone from it)
+    if fit:
+        comp.fit(calib, config=config)  # as the harness fits: the free model config (RoPE undone from it)
     fit_s = time.perf_counter() - t0
     mb = sum(kv.n_elements for kv in seqs) * 2 / 1e6  # the 16-bit cache
     enc_t, dec_t, enc_cpu, dec_cpu, bits, n_el = [], [], [], [], 0, 0
@@ -56,16 +62,19 @@ def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float,
         bits = n_el = 0
         for kv in seqs:
             ctx = Context.for_kv(kv, model_ref, config)
-            t, c = time.perf_counter(), time.process_time()
-            bs = comp.encode(kv, ctx)
-            te, ce = te + time.perf_counter() - t, ce + time.process_time() - c
+            watch, c = Stopwatch(device), time.process_time()
+            with watch():
+                bs = comp.encode(kv, ctx)
+            te, ce = te + watch.seconds, ce + time.process_time() - c
             stored = Bitstream.from_bytes(bs.data)
-            t, c = time.perf_counter(), time.process_time()
-            out = comp.decode(stored, Context.for_kv(kv, model_ref, config))
-            td, cd = td + time.perf_counter() - t, cd + time.process_time() - c
+            watch, c = Stopwatch(device), time.process_time()
+            with watch():
+                out = comp.decode(stored, Context.for_kv(kv, model_ref, config))
+            td, cd = td + watch.seconds, cd + time.process_time() - c
             if out.shape != kv.shape:
                 raise RuntimeError(f"decoded shape {tuple(out.shape)} != {tuple(kv.shape)}")
-            exact &= torch.equal(out.k, kv.k) and torch.equal(out.v, kv.v)
+            decoded_on = str(out.k.device)
+            exact &= torch.equal(out.k.to(kv.k.device), kv.k) and torch.equal(out.v.to(kv.v.device), kv.v)
             bits += stored.num_bits
             n_el += kv.n_elements
         over = time.perf_counter() - t0 > budget_s
@@ -91,6 +100,7 @@ def time_compressor(comp, calib, seqs, model_ref, repeats: int, budget_s: float,
         "bits_per_element": bits / n_el,
         "lossless": bool(exact),
         "fit_s": fit_s,
+        "decoded_on": decoded_on,
     }
 
 

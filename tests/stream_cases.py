@@ -6,12 +6,17 @@ model run on conftest's tiny random Llama (``needs_model``: its KV, token ids an
 on random 16-bit KV with channel outliers, fitted on another draw. The decoder is always another instance: rebuilt
 from the config, it knows the fitted state only as bytes. :func:`check_roundtrip` and :func:`check_distortion` are
 the contract a decoded case must meet.
+
+``KVBENCH_TEST_DEVICE`` (default ``cpu``; ``cuda`` or ``cuda:N`` where torch sees that GPU) is where the tiny model
+runs: its captures and the model-backed coders' forward passes (scripts/device_check.sh runs the contract suite so
+on a GPU). The KV itself stays in host memory, as a captured trace holds it.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -80,12 +85,25 @@ def config_for(kv: KVSequence) -> Any:
                        num_attention_heads=H, num_key_value_heads=H, head_dim=D, max_position_embeddings=512)
 
 
+def device_under_test() -> str:
+    """``KVBENCH_TEST_DEVICE``, checked as the run config's ``device`` is: a GPU torch does not see is an error, never
+    a run on the CPU filed as the GPU's."""
+    from kvbench.sweep.config_check import check_device
+
+    device = os.environ.get("KVBENCH_TEST_DEVICE", "").strip() or "cpu"
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise ValueError(f"KVBENCH_TEST_DEVICE: {e}") from None
+    return device
+
+
 @functools.cache
 def tiny_model(arch: str = "llama") -> Any:
-    """conftest's tiny random model of architecture ``arch``, built once per process."""
+    """conftest's tiny random model of architecture ``arch``, built once per process, on the device under test."""
     from conftest import tiny_arch
 
-    return tiny_arch(arch)
+    return tiny_arch(arch).to(device_under_test())
 
 
 def model_kv(T: int, seed: int = 0, arch: str = "llama") -> KVSequence:

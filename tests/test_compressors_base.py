@@ -11,7 +11,18 @@ import dataclasses
 
 import pytest
 import torch
-from stream_cases import ALL, VARIANTS, build, check_distortion, check_roundtrip, instantiate, model_case, needs_model
+from stream_cases import (
+    ALL,
+    VARIANTS,
+    build,
+    check_distortion,
+    check_roundtrip,
+    device_under_test,
+    instantiate,
+    model_case,
+    needs_model,
+    tiny_model,
+)
 
 from compressors.eviction.evict import n_kept
 from kvbench.coding.bitstream import Bitstream, BitstreamError
@@ -36,6 +47,28 @@ def test_the_contract_covers_every_compressor_config():
     assert ALL == sorted(p.stem for p in (repo_root() / "configs" / "compressor").glob("*.yaml")) and len(ALL) >= 20
     assert set(MODEL_BACKED) == {n for n in ALL if _instantiate(n).needs_model} >= {
         "snapkv", "tova", "h2o", "expected_attention", "recompute", "speculative"}
+
+
+def test_the_tiny_model_runs_on_the_device_under_test():
+    """scripts/device_check.sh runs this suite with KVBENCH_TEST_DEVICE=cuda: the model-backed cases then run there."""
+    want, got = torch.device(device_under_test()), next(tiny_model().parameters()).device
+    assert got.type == want.type and want.index in (None, got.index)
+
+
+@pytest.mark.parametrize(("value", "device"), [(None, "cpu"), ("", "cpu"), (" cpu ", "cpu")])
+def test_the_device_under_test_is_the_cpu_unless_set(value, device, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("KVBENCH_TEST_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("KVBENCH_TEST_DEVICE", value)
+    assert device_under_test() == device
+
+
+@pytest.mark.parametrize("value", ["cuda:99", "gpu", "mps"])
+def test_a_device_under_test_torch_cannot_see_is_refused(value, monkeypatch):
+    monkeypatch.setenv("KVBENCH_TEST_DEVICE", value)
+    with pytest.raises(ValueError, match=rf"KVBENCH_TEST_DEVICE: device='{value}' is not allowed"):
+        device_under_test()
 
 
 @pytest.mark.parametrize("name", ALL + list(VARIANTS))

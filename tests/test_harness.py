@@ -64,6 +64,11 @@ def test_identity_is_exact_with_ratio_one_and_zero_delta_nll(tiny_cfg, tiny_hand
     assert summary["compression_ratio"] < 1.0
     assert summary["total_bits"] == summary["n_elements"] * 16 + summary["bits_by_part"]["frame"]
     assert len(rows) == 2 * 2
+    # the tiny model's cache: its layers, KV heads and head_dim, read off the trace
+    cfg_model = tiny_handle.config
+    assert (summary["n_layers"], summary["n_kv_heads"], summary["head_dim"]) == (
+        cfg_model.num_hidden_layers, cfg_model.num_key_value_heads, cfg_model.hidden_size // cfg_model.num_attention_heads)
+    assert summary["n_elements"] == summary["n_tokens"] * 2 * summary["n_layers"] * summary["n_kv_heads"] * summary["head_dim"]
     assert summary["decode_flops_per_token"] == 0.0  # no model runs to decode
     assert summary["bits_per_element_amortized"] == summary["bits_per_element"]  # nothing fitted to spread
     assert math.isnan(summary["rd_bits_per_element"])  # no finite rate reaches zero error

@@ -145,6 +145,14 @@ def _part_totals(parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def geometry(kvs: Sequence[KVSequence]) -> dict[str, int]:
+    """The cache's layers, KV heads and head_dim as the trace holds them (a model's cache, read off its windows)."""
+    if not kvs:
+        return {}
+    layers, heads, _, head_dim = kvs[0].shape
+    return {"n_layers": int(layers), "n_kv_heads": int(heads), "head_dim": int(head_dim)}
+
+
 def code(codec: Codec, kvs: Sequence[KVSequence], enc_ctxs: Sequence[Context], dec_ctxs: Sequence[Context],
          enc: Stopwatch, dec: Stopwatch) -> tuple[list[KVSequence], list[int], list[dict[str, int]]]:
     """Encode, keep only the bytes, decode them on the codec's fresh decoder; the bits are counted from the
@@ -241,6 +249,7 @@ def measure(cfg: Any, compressor: Compressor, handle: ModelHandle | None = None)
         "n_sequences": len(kvs),
         "n_tokens": n_tok,
         "n_elements": n_el,
+        **geometry(kvs),
         **rate_summary(bits, parts, n_tok, n_el, codec.codec_bits, int(cfg.rate.amortize_tokens)),
         "lossless": bool(lossless),
         "encode_s": enc.seconds,

@@ -58,7 +58,10 @@ def test_every_kind_of_run_is_measured_by_the_command_of_its_name_and_every_name
      ["-m", "+compressor=kivi", "compressor.bits=2,3", "compressor.residual=0"]),
     (["+compressor=kivi", "compressor.bits=3", "+compressor.residual=0", "--cfg", "job"],
      ["+compressor=kivi", "compressor.bits=3", "+compressor.residual=0", "--cfg", "job"]),
-], ids=["sweep-fixed", "glob", "sweep-swept", "one-compressor", "one-run"])
+    # a plugin of one's own in place of the class: every compressor's config names its class
+    (["-m", "+compressor=identity", "compressor._target_=faultplug.Faulty"],
+     ["-m", "+compressor=identity", "compressor._target_=faultplug.Faulty"]),
+], ids=["sweep-fixed", "glob", "sweep-swept", "one-compressor", "one-run", "plugin-class"])
 def test_compressor_field_overrides_apply_to_the_compressor_each_cell_selects(argv, want):
     from kvbench.sweep.overrides import per_cell
 

@@ -156,10 +156,12 @@ def _refuse(monkeypatch, root, code: int) -> None:
     monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refused(path) if inside(path) else real_mkdir(path, *a, **k))
 
 
-def test_a_read_only_home_that_must_take_a_trace_is_one_line_before_any_work(tiny_cfg, tmp_path, monkeypatch, capsys):
+def test_a_read_only_home_that_must_take_a_trace_is_one_line_before_any_work(tiny_cfg, tiny_checkpoint, tmp_path,
+                                                                           monkeypatch, capsys):
     from kvbench.cli import cell
 
-    cfg = tiny_cfg("+compressor=identity", "metrics.nll=false")
+    # a real checkpoint directory: the config is read (and its model.path checked) before the trace folder is
+    cfg = tiny_cfg("+compressor=identity", "metrics.nll=false", f"model.path={tiny_checkpoint[0]}")
     home = tmp_path / "home"
     loaded = []
     monkeypatch.setattr("kvbench.inputs.models.ModelHandle._load", lambda self: loaded.append(1) or pytest.fail("loaded"))

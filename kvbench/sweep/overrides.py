@@ -70,7 +70,8 @@ def per_cell(argv: list[str]) -> list[str]:
             out.append(arg)
             continue
         key, field = o.key_or_group, o.key_or_group.split(".")[1]
-        lacking = [n for n in names if field not in _fields(n)]
+        # _target_ names the class itself (a plugin of one's own): every compressor's config has it
+        lacking = [] if field == "_target_" else [n for n in names if field not in _fields(n)]
         if lacking:
             having = [n for n in names if n not in lacking]
             raise ValueError(f"{arg} cannot apply to {'every cell' if swept else 'this run'}: {_some(lacking)} no "

@@ -15,7 +15,9 @@ step began (``rss_before_gb``: interpreter, weights where the step loads the mod
 (``step_peak_rss_gb``, from the kernel's high-water mark reset as the step begins; None where it cannot be reset)
 and the process's (``peak_rss_gb``); capture and score rows carry the peak :mod:`kvbench.inputs.footprint`
 estimates before the model runs (``estimate_gb``). Lengths past a model's positions (continuation included) are
-skipped and listed. The whole run holds the benchmark lock (:mod:`kvbench.store.locking`).
+skipped and listed. The whole run holds the benchmark lock (:mod:`kvbench.store.locking`). The output is rewritten
+as each (model, length) ends; run again with the same arguments at the same clean commit, the lengths it holds are
+kept and the rest measured.
 """
 
 from __future__ import annotations
@@ -125,6 +127,29 @@ def in_child(job: dict) -> dict:
     return json.loads(lines[-1][len(RESULT):])
 
 
+#: the arguments that make two runs of this script measure the same thing
+SETTING = ("lengths", "models", "compressors", "dataset", "n_sequences", "n_calib", "eval_len")
+
+
+def resumed(out: Path, sha: str, setting: dict) -> list[dict]:
+    """The rows an earlier, interrupted run of the same setting at the same clean commit left in ``out``: whole
+    lengths only (every step of a (model, length) or none of it), none with an error."""
+    if not out.exists() or sha.endswith("-dirty") or sha == "unknown":
+        return []
+    try:
+        old = json.loads(out.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    meta = old.get("meta", {})
+    if meta.get("git_sha") != sha or any(meta.get(k) != setting[k] for k in SETTING):
+        return []
+    want = 1 + (len(STEPS) - 1) * len(setting["compressors"])
+    by_cell: dict[tuple, list[dict]] = {}
+    for r in old.get("rows", []):
+        by_cell.setdefault((r["model"], r["context"]), []).append(r)
+    return [r for cell in by_cell.values() if len(cell) == want and not any("error" in r for r in cell) for r in cell]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prefix tokens")
@@ -151,6 +176,15 @@ def main() -> int:
 
     rows, skipped = [], []
     started, load_start = time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_average()
+    sha = git_sha()
+    done = resumed(args.out, sha, vars(args))
+    rows += done
+
+    def meta() -> dict:
+        return {"machine": machine(), "cpus": os.cpu_count(), "git_sha": sha, "created": started,
+                "load_average_start": load_start, "load_average_end": load_average(), "command": sys.argv,
+                **{k: getattr(args, k) for k in SETTING}}
+
     with bench_lock(), tempfile.TemporaryDirectory(prefix="kvbench-scale-") as scratch:
         for model in args.models:
             limit, source = position_limit(ModelHandle(compose([f"model={model}"]).model).config)
@@ -158,6 +192,9 @@ def main() -> int:
                 if limit is not None and T + args.eval_len > limit:
                     skipped.append({"model": model, "context": T, "why": f"{T} + {args.eval_len} tokens past the "
                                                                           f"model's {limit} positions ({source})"})
+                    continue
+                if any(r["model"] == model and r["context"] == T for r in done):
+                    print(f"{model:>14} {T:>6} measured at {sha} in {args.out}: kept", flush=True)
                     continue
                 work = Path(scratch) / f"{model}-{T}"
                 work.mkdir()
@@ -174,11 +211,9 @@ def main() -> int:
                           f"{got['wall_s']:8.2f} s  peak {got['peak_rss_gb']:.2f} GB (step "
                           f"{got['step_peak_rss_gb'] or float('nan'):.2f}, from {got['rss_before_gb']:.2f})"
                           + (f"  estimate {got['estimate_gb']:.2f} GB" if "estimate_gb" in got else "")), flush=True)
-    meta = {"machine": machine(), "cpus": os.cpu_count(), "git_sha": git_sha(), "created": started,
-            "load_average_start": load_start, "load_average_end": load_average(), "command": sys.argv,
-            "lengths": args.lengths, "models": args.models, "compressors": args.compressors, "dataset": args.dataset,
-            "n_sequences": args.n_sequences, "n_calib": args.n_calib, "eval_len": args.eval_len}
-    write_json(args.out, {"meta": meta, "rows": rows, "skipped": skipped})
+                # each length is written as it ends: an interrupted run keeps what it measured and resumes there
+                write_json(args.out, {"meta": meta(), "rows": rows, "skipped": skipped})
+    write_json(args.out, {"meta": meta(), "rows": rows, "skipped": skipped})
     print(f"-> {args.out}")
     return 0 if not any("error" in r for r in rows) else 1
 

@@ -15,7 +15,9 @@ step began (``rss_before_gb``: interpreter, weights where the step loads the mod
 (``step_peak_rss_gb``, from the kernel's high-water mark reset as the step begins; None where it cannot be reset)
 and the process's (``peak_rss_gb``); capture and score rows carry the peak :mod:`kvbench.inputs.footprint`
 estimates before the model runs (``estimate_gb``). Lengths past a model's positions (continuation included) are
-skipped and listed. The whole run holds the benchmark lock (:mod:`kvbench.store.locking`). The output is rewritten
+skipped and listed. ``--file OUT...`` files outputs as runs of kind ``scale`` (one per model and length, a row per
+step), which ``python -m kvbench report --export-evidence scale`` publishes as the evidence of results/scale.md.
+The whole run holds the benchmark lock (:mod:`kvbench.store.locking`). The output is rewritten
 as each (model, length) ends; run again with the same arguments at the same clean commit, the lengths it holds are
 kept and the rest measured.
 """
@@ -150,6 +152,55 @@ def resumed(out: Path, sha: str, setting: dict) -> list[dict]:
     return [r for cell in by_cell.values() if len(cell) == want and not any("error" in r for r in cell) for r in cell]
 
 
+def memory_gb() -> float | None:
+    """This machine's memory (MemTotal), in GB of 2**30 bytes; None where /proc/meminfo does not say."""
+    try:
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024 / 2**30
+
+
+def file_runs(outputs: list[Path], root: Path) -> list[Path]:
+    """File what this script measured (its ``--out`` files) as runs of kind ``scale`` under ``root``/runs, one per
+    model and length with a row per step, each recorded at the code version that measured it, and return their
+    directories. The machine's memory is recorded where the filing machine is the measuring one (the same
+    description), else left out."""
+    from kvbench.core.config import compose
+    from kvbench.core.machine import machine
+    from kvbench.inputs.models import ModelHandle
+    from kvbench.inputs.positions import position_limit
+    from kvbench.store.results import cell_key, run_dir, write
+
+    dirs = []
+    for out in outputs:
+        got = json.loads(Path(out).read_text())
+        meta = got["meta"]
+        memory = memory_gb() if meta.get("machine") == machine() else None
+        cells: dict[tuple, list[dict]] = {}
+        for r in got["rows"]:
+            cells.setdefault((r["model"], r["context"]), []).append(r)
+        for (model, T), rows in cells.items():
+            if any("error" in r for r in rows):
+                raise SystemExit(f"error: {out}: {model} at {T} tokens has a failed step; measure it again first")
+            limit, source = position_limit(ModelHandle(compose([f"model={model}"]).model).config)
+            config = {"model": model, "dataset": {"name": meta["dataset"], "seq_len": T, "eval_len": meta["eval_len"],
+                                                  "n_sequences": meta["n_sequences"], "n_calib": meta["n_calib"]},
+                      "compressors": meta["compressors"]}
+            key = cell_key(config)
+            summary = {"kind": "scale", "model": model, "dataset": meta["dataset"], "context": T,
+                       "compressor": ",".join(meta["compressors"]), "eval_len": meta["eval_len"],
+                       "n_sequences": meta["n_sequences"], "n_calib": meta["n_calib"], "position_limit": limit,
+                       "position_limit_source": source, "machine_memory_gb": memory,
+                       **{k: meta[k] for k in ("machine", "cpus", "load_average_start", "load_average_end")},
+                       "cell_key": key, "git_sha": meta["git_sha"], "created": meta["created"], "config": config,
+                       "rows": [{k: v for k, v in r.items() if k not in ("model", "context")} for r in rows]}
+            path = run_dir(root, "scale", model, key, meta["git_sha"])
+            write(path, "scale", summary, summary["rows"], config)
+            dirs.append(path)
+    return dirs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prefix tokens")
@@ -160,10 +211,19 @@ def main() -> int:
     p.add_argument("--n-calib", type=int, default=1, help="calibration windows (the fitted coders fit on them)")
     p.add_argument("--eval-len", type=int, default=512, help="continuation tokens scored")
     p.add_argument("--out", type=Path, default=Path("results/scale.json"))
+    p.add_argument("--file", type=Path, nargs="+", metavar="OUT",
+                   help="file these outputs of earlier runs as runs of kind scale (under --results) and stop")
+    p.add_argument("--results", type=Path, default=Path("results/sweeps/scale"),
+                   help="where --file writes its runs (under RESULTS/runs)")
     p.add_argument("--step", help=argparse.SUPPRESS)  # internal: one step's job, as JSON
     args = p.parse_args()
     if args.step:
         print(RESULT + json.dumps(run_step(json.loads(args.step))), flush=True)
+        return 0
+    if args.file:
+        dirs = file_runs(args.file, args.results)
+        print(f"{len(dirs)} scale runs -> {args.results / 'runs'}; publish them with python -m kvbench report "
+              f"--export-evidence scale {args.results / 'runs'} and python -m kvbench report --pages scale.md")
         return 0
 
     from kvbench.core.config import compose

@@ -18,7 +18,8 @@ Tables and figures, one set per section (``kvbench.report.sections``), go into `
   figures/*.png, figures/*.pdf  see ``kvbench.report.figures``
   skipped.txt                   run dirs that were not read, and why (only when there are any)
 (stepcost runs, from ``python -m kvbench stepcost``, are the section ``stepcost``'s; reliability runs, filed by
-scripts/reliability.py, the section ``reliability``'s) and a study section NAME its
+scripts/reliability.py, the section ``reliability``'s; scale runs, filed by scripts/bench_scale.py, the section
+``scale``'s) and a study section NAME its
 tables in NAME.md/.tex (NAME.csv: the rows behind them) and its figures in figures/.
 Writing them is :mod:`kvbench.report.writing`.
 

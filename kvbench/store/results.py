@@ -73,6 +73,8 @@ KINDS = {
     "stepcost": Kind("stepcost", "stepcost-", "stepcost.json", "stepcost.parquet"),
     # filed by scripts/reliability.py from the fuzz tests' tally, not by a command: one per compressor and variant
     "reliability": Kind("reliability", "reliability-", "reliability.json", "reliability.parquet"),
+    # filed by scripts/bench_scale.py from its measurements: one per model and context length, one row per step
+    "scale": Kind("scale", "scale-", "scale.json", "scale.parquet"),
 }
 
 #: top-level config nodes that say where results go, whether to reuse them or how much memory a run may take, not

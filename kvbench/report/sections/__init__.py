@@ -1,7 +1,7 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
-(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode``, ``stepcost`` and
-``reliability`` show every run under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode``, ``stepcost``,
+``reliability`` and ``scale`` show every run under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvbench.report.sections.per_vector_section import per_vector
 from kvbench.report.sections.prefix_sharing_section import prefix_sharing
 from kvbench.report.sections.reliability_section import reliability
 from kvbench.report.sections.ruler_section import ruler_study
+from kvbench.report.sections.scale_section import scale
 from kvbench.report.sections.section_types import Figures, Section, Table
 from kvbench.report.sections.selection import select
 from kvbench.report.sections.sequential_section import sequential
@@ -35,9 +36,9 @@ BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequen
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
             "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
-            "stepcost": stepcost, "reliability": reliability}
+            "stepcost": stepcost, "reliability": reliability, "scale": scale}
 #: sections with no study: they show every run under the report's dirs
-ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability")
+ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability", "scale")
 
 
 def _registry() -> dict[str, Section]:

@@ -32,8 +32,9 @@ def test_every_kind_of_run_is_measured_by_the_command_of_its_name_and_every_name
     from kvbench.store.results import KINDS
     from kvbench.sweep.commands import COMMANDS, MEASURING, function
 
-    # the fuzz tests' tallies are filed as runs by the script that runs them, not by a command
-    by_script = {"reliability": "scripts/reliability.py"}
+    # the fuzz tests' tallies and the scale benchmark's steps are filed as runs by the script that measures them,
+    # not by a command
+    by_script = {"reliability": "scripts/reliability.py", "scale": "scripts/bench_scale.py"}
     assert {name: c.kind for name, c in MEASURING.items()} == {k: v for k, v in KINDS.items() if k not in by_script}
     assert all((CONFIG_DIR.parent / script).is_file() for script in by_script.values())
     for c in COMMANDS.values():

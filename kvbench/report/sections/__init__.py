@@ -25,7 +25,7 @@ from kvbench.report.sections.section_types import Figures, Section, Table
 from kvbench.report.sections.selection import select
 from kvbench.report.sections.sequential_section import sequential
 from kvbench.report.sections.stepcost_section import stepcost
-from kvbench.report.sections.transfer_section import transfer
+from kvbench.report.sections.transfer_section import long_context, transfer
 from kvbench.sweep.studies_config import Study, studies
 
 __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
@@ -35,6 +35,7 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
             "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
+            "long_context": long_context,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
             "stepcost": stepcost, "reliability": reliability, "scale": scale}
 #: sections with no study: they show every run under the report's dirs

@@ -160,16 +160,22 @@ def cost(d: pd.DataFrame) -> pd.DataFrame:
                          "cell_s_max": g.max().to_numpy()})
 
 
-def transfer(got: Collection) -> tuple[list[Table], Figures]:
+def transfer(got: Collection, stem: str = "transfer") -> tuple[list[Table], Figures]:
+    """The section's tables, under ``stem`` (the long-context study shows its cells with the same tables)."""
     d = got.table
     if d.empty:
-        return [Table("transfer", d, CELL_COLUMNS, "every cell", "")], {}
+        return [Table(stem, d, CELL_COLUMNS, "every cell", "")], {}
     d = d.assign(series=frontier_label(d), exact_tokens=exact_tokens(d))
     d = model_first(recall_vs_reference(d.assign(compressor=d["series"]), got), "stream_bits_per_element")
     d = d.assign(setting=setting(d))
     table, cols = verdicts(d[~is_reference(d)])
-    return [Table("transfer", table, cols, "each coder setting's verdicts on every model", VERDICT_NOTE, csv=True),
-            Table("transfer_cells", d, CELL_COLUMNS, "every cell", f"{trace_notes(d)} {RECALL_NOTE}".strip(), csv=True),
-            Table("transfer_correlations", correlations(d), CORRELATION_COLUMNS, "which distortion ranks the cells as their loss does",
-                  CORRELATION_NOTE, csv=True),
-            Table("transfer_cost", cost(d), COST_COLUMNS, "what the study cost", COST_NOTE)], {}
+    return [Table(stem, table, cols, "each coder setting's verdicts on every model", VERDICT_NOTE, csv=True),
+            Table(f"{stem}_cells", d, CELL_COLUMNS, "every cell", f"{trace_notes(d)} {RECALL_NOTE}".strip(), csv=True),
+            Table(f"{stem}_correlations", correlations(d), CORRELATION_COLUMNS,
+                  "which distortion ranks the cells as their loss does", CORRELATION_NOTE, csv=True),
+            Table(f"{stem}_cost", cost(d), COST_COLUMNS, "what the study cost", COST_NOTE)], {}
+
+
+def long_context(got: Collection) -> tuple[list[Table], Figures]:
+    """The long-context study: the transfer study's settings at 4,096 tokens, in the same tables."""
+    return transfer(got, "long_context")

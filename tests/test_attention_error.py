@@ -107,15 +107,21 @@ def _attend(q, keys, values, ts: list[int], s: float, cap: float | None) -> torc
     return torch.softmax(x, 0) @ torch.stack([values[t] for t in ts])
 
 
-def _brute_force(model, windows) -> tuple[list[float], list[float]]:
-    """Per-layer logit relative MSE and output relative error by explicit loops over layers, heads, queries and
-    keys, pooled over ``windows`` (``[(kv, cont, kv_hat)]``), at the scored positions 0, 2, 4, 6, 8."""
+def _logits(q, keys, ts: list[int], s: float, cap: float | None) -> torch.Tensor:
+    x = torch.stack([q @ keys[t] * s for t in ts])
+    return torch.tanh(x / cap) * cap if cap else x
+
+
+def _brute_force(model, windows) -> tuple[list[float], ...]:
+    """Per-layer logit relative MSE, output relative error, logit MSE in softmax units and KL (NaN where a seen key
+    was evicted) by explicit loops over layers, heads, queries and keys, pooled over ``windows``
+    (``[(kv, cont, kv_hat)]``), at the scored positions 0, 2, 4, 6, 8."""
     cfg = model.config
     L, Hq, Hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     scale = getattr(cfg, "query_pre_attn_scalar", None) or model.model.layers[0].self_attn.head_dim
     s, cap = scale**-0.5, getattr(cfg, "attn_logit_softcapping", None)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * L
-    sums = torch.zeros(L, 4, dtype=torch.float64)
+    sums = torch.zeros(L, 8, dtype=torch.float64)
     for kv, cont, kv_hat in windows:
         Q = _queries_read_another_way(model, kv, cont)
         for layer in range(L):
@@ -136,12 +142,26 @@ def _brute_force(model, windows) -> tuple[list[float], list[float]]:
                     o, o_hat = _attend(q, K, V, seen, s, cap), _attend(q, Kh, Vh, [t for t in seen if kept[t]], s, cap)
                     sums[layer, 2] += float((o_hat - o).square().sum())
                     sums[layer, 3] += float(o.square().sum())
-    return (sums[:, 0] / sums[:, 1]).tolist(), (sums[:, 2] / sums[:, 3]).sqrt().tolist()
+                    kept_seen = [t for t in seen if kept[t]]
+                    if kept_seen:
+                        sums[layer, 4] += float((_logits(q, Kh, kept_seen, s, cap)
+                                                 - _logits(q, K, kept_seen, s, cap)).square().sum())
+                        sums[layer, 5] += len(kept_seen)
+                    if len(kept_seen) < len(seen):
+                        sums[layer, 6] = math.nan
+                    else:
+                        lp = torch.log_softmax(_logits(q, K, seen, s, cap), 0)
+                        lp_hat = torch.log_softmax(_logits(q, Kh, seen, s, cap), 0)
+                        sums[layer, 6] += float((lp.exp() * (lp - lp_hat)).sum())
+                    sums[layer, 7] += 1
+    return ((sums[:, 0] / sums[:, 1]).tolist(), (sums[:, 2] / sums[:, 3]).sqrt().tolist(),
+            (sums[:, 4] / sums[:, 5]).tolist(), (sums[:, 6] / sums[:, 7]).tolist())
 
 
-@pytest.mark.parametrize(("make", "gain"), [(tiny_llama, 8), (_tiny_gemma3, 1), (_tiny_gemma2, 40)],
-                         ids=["llama-gqa", "gemma3-sliding-qknorm-scale", "gemma2-softcap"])
-def test_the_metrics_equal_a_brute_force_computation(make, gain):
+@pytest.mark.parametrize(("make", "gain", "evict"), [(tiny_llama, 8, 0.25), (_tiny_gemma3, 1, 0.25),
+                                                     (_tiny_gemma2, 40, 0.25), (tiny_llama, 8, 0.0)],
+                         ids=["llama-gqa", "gemma3-sliding-qknorm-scale", "gemma2-softcap", "llama-nothing-evicted"])
+def test_the_metrics_equal_a_brute_force_computation(make, gain, evict):
     model = make()
     model.set_attn_implementation("eager")
     with torch.no_grad():  # larger queries: attention as peaked as a trained model's, so scale and soft-capping matter
@@ -150,19 +170,23 @@ def test_the_metrics_equal_a_brute_force_computation(make, gain):
     windows = []
     for seed in (3, 4):
         kv, cont = _window(model, seed)
-        windows.append((kv, cont, _decoded(kv, seed)))
+        windows.append((kv, cont, _decoded(kv, seed, evict=evict)))
     acc = AttentionError()
     for kv, cont, kv_hat in windows:
         qs = continuation_queries(model, kv, cont, 5)
         assert qs.positions.tolist() == [T, T + 2, T + 4, T + 6, T + 8]
         acc.add(qs, kv, kv_hat)
-    logit, out = acc.per_layer()
-    want_logit, want_out = _brute_force(model, windows)
-    assert logit.tolist() == pytest.approx(want_logit, rel=2e-3)
-    assert out.tolist() == pytest.approx(want_out, rel=2e-3)
+    got, want = acc.per_layer(), _brute_force(model, windows)
+    for name, g, w in zip(("logit rel MSE", "output rel err", "logit MSE", "KL"), got, want):
+        assert g.tolist() == pytest.approx(w, rel=2e-3, nan_ok=True), name
     s = acc.summary()
-    assert s["attn_logit_rel_mse"] == pytest.approx(sum(want_logit) / len(want_logit), rel=2e-3)
-    assert s["attn_output_rel_err"] == pytest.approx(sum(want_out) / len(want_out), rel=2e-3)
+    assert s["attn_logit_rel_mse"] == pytest.approx(sum(want[0]) / len(want[0]), rel=2e-3)
+    assert s["attn_output_rel_err"] == pytest.approx(sum(want[1]) / len(want[1]), rel=2e-3)
+    assert s["attn_logit_mse"] == pytest.approx(sum(want[2]) / len(want[2]), rel=2e-3)
+    if evict:
+        assert math.isnan(s["attn_kl"])  # an evicted key some query sees: no finite divergence
+    else:
+        assert s["attn_kl"] == pytest.approx(sum(want[3]) / len(want[3]), rel=2e-3) and s["attn_kl"] > 0
 
 
 def test_key_error_orthogonal_to_every_query_is_no_logit_error_although_its_relative_mse_is_not_zero():

@@ -70,6 +70,8 @@ CATALOGUE = {c.key: c for c in (
     # the error the model's own queries see at the scored positions (kvbench/measure/metrics/attention_error.py)
     _col("attn_logit_rel_mse", "attn logit rel MSE", ".2e"),
     _col("attn_output_rel_err", "attn output rel err", ".2e"),
+    _col("attn_logit_mse", "attn logit MSE (softmax units)", ".2e"),
+    _col("attn_kl", "attn KL nats", ".2e"),
     # the Gaussian rate-distortion rate at the run's own relative MSEs (kvbench.measure.metrics.rate_distortion)
     _col("rd_bits_per_element", "Gaussian R(D) bits/elt", ".3f"),
     _col("rd_bits_per_element_pre_rope", "R(D) pre-RoPE", ".3f"),

@@ -32,6 +32,15 @@ sums pooled over KV heads and over the run's windows:
   where it has one. ``o`` is one head's output before ``o_proj``, over the prefix alone (the model's softmax also
   spans the continuation's keys, which are exact; leaving them out keeps the figure the prefix cache's).
 
+- ``attn_logit_mse[l] = mean (ℓ̂_t − ℓ_t)²`` over the same kept entries, with ``ℓ = a(s q·k_t)`` the logit the
+  softmax reads: the error in the softmax's own units (nats of odds between two keys), not relative to the logits'
+  energy. A key with outliers has large logits, so a relative error that looks small can still move the softmax by
+  whole nats; this figure does not divide that away.
+- ``attn_kl[l]``: the mean over (query head, scored position) of ``KL(p ‖ p̂)``, in nats, ``p = softmax_t(ℓ_t)`` over
+  the prefix keys the query sees and ``p̂`` the decoded one's; NaN for a layer where the decoder evicted a key some
+  query sees (``p̂`` is then zero where ``p`` is not and the divergence is infinite; the output error still measures
+  it). Queries that see no prefix key are left out.
+
 A run's figure is the mean over layers of the per-layer ratios (layers where no query sees a prefix key left out);
 ``rows.parquet`` holds the per-layer ones. NaN where nothing was measured (no model loaded, nothing scored).
 """
@@ -102,8 +111,10 @@ def continuation_queries(model: Any, kv: KVSequence, continuation: torch.Tensor,
 
 def layer_sums(q: torch.Tensor, positions: torch.Tensor, kv: KVSequence, kv_hat: KVSequence, layer: int,
                scaling: float, sliding: int | None, softcap: float | None) -> torch.Tensor:
-    """``(4, H)`` float64 for one layer: ``Σ (q·(k̂−k))²``, ``Σ (q·k)²``, ``Σ ‖ô−o‖²``, ``Σ ‖o‖²`` per KV head over
-    its query heads' queries ``q`` ``(Hq, n, D)`` at ``positions`` and the prefix keys they see (module docstring)."""
+    """``(8, H)`` float64 for one layer, per KV head over its query heads' queries ``q`` ``(Hq, n, D)`` at
+    ``positions`` and the prefix keys they see (module docstring): ``Σ (q·(k̂−k))²``, ``Σ (q·k)²``, ``Σ ‖ô−o‖²``,
+    ``Σ ‖o‖²``, ``Σ (ℓ̂−ℓ)²`` and the entries it sums over, ``Σ KL(p ‖ p̂)`` (NaN where a seen key was evicted) and
+    the queries it sums over."""
     Hq, n, D = q.shape
     k, v = kv.k[layer].float(), kv.v[layer].float()  # (H, T, D)
     k_hat, v_hat = kv_hat.k[layer].float(), kv_hat.v[layer].float()  # (H, T, D)
@@ -112,7 +123,7 @@ def layer_sums(q: torch.Tensor, positions: torch.Tensor, kv: KVSequence, kv_hat:
     hidden = None if kv_hat.kept is None else ~kv_hat.kept[layer].unsqueeze(1)  # (H, 1, T) evicted
     key_pos = torch.arange(T)  # (T,)
     grouped = q.float().reshape(H, G, n, D)  # query head j reads KV head j // G
-    sums = torch.zeros(4, H, dtype=torch.float64)
+    sums = torch.zeros(SUMS, H, dtype=torch.float64)
     step = max(1, BLOCK_ENTRIES // max(Hq * T, 1))
     for c in range(0, n, step):
         qc = grouped[:, :, c : c + step].reshape(H, -1, D)  # (H, G*m, D)
@@ -130,6 +141,9 @@ def layer_sums(q: torch.Tensor, positions: torch.Tensor, kv: KVSequence, kv_hat:
         approx = masked_logits(dot_hat, pos, key_pos, scaling, sliding, softcap)  # (H, G*m, T)
         if hidden is not None:
             approx = approx.masked_fill(hidden, -math.inf)
+        shift = torch.where(measured, approx - exact, 0.0)  # (H, G*m, T) finite where measured
+        sums[4] += shift.square().sum((1, 2)).double()
+        sums[5] += measured.expand(H, -1, -1).sum((1, 2)).double()
         p, p_hat = torch.softmax(exact, -1), torch.softmax(approx, -1)  # (H, G*m, T)
         if sliding or hidden is not None:
             # a query that sees no prefix key (past a sliding window, or all of it evicted) reads nothing from it
@@ -137,14 +151,25 @@ def layer_sums(q: torch.Tensor, positions: torch.Tensor, kv: KVSequence, kv_hat:
         o, o_hat = p @ v, p_hat @ v_hat  # (H, G*m, D)
         sums[2] += (o_hat - o).square().sum((1, 2)).double()
         sums[3] += o.square().sum((1, 2)).double()
+        sees = seen.any(-1)  # (G*m,) queries that see some prefix key
+        if hidden is not None and bool((hidden & seen).any()):
+            sums[6] = math.nan  # p-hat is zero where p is not: the divergence is infinite
+        else:
+            gap = torch.log_softmax(exact, -1) - torch.log_softmax(approx, -1)  # (H, G*m, T)
+            sums[6] += torch.where(p > 0, p * gap, 0.0).sum((1, 2)).double()
+        sums[7] += float(sees.sum())
     return sums
+
+
+#: the sums :func:`layer_sums` keeps per (layer, KV head)
+SUMS = 8
 
 
 @dataclass
 class AttentionError:
     """Sums per (layer, KV head) pooled over the run's windows, so that the per-layer ratios are exact."""
 
-    sums: torch.Tensor | None = None  # (4, L, H) float64: logit error, logit energy, output error, output energy
+    sums: torch.Tensor | None = None  # (SUMS, L, H) float64: the sums of layer_sums
     queries: int = 0  # query positions per window (the most any window had)
 
     def add(self, qs: ScoredQueries, kv: KVSequence, kv_hat: KVSequence) -> None:
@@ -153,40 +178,49 @@ class AttentionError:
         if qs.q.shape[0] != L or kv_hat.shape != kv.shape:
             raise ValueError(f"queries of {qs.q.shape[0]} layers for caches {tuple(kv.shape)} / {tuple(kv_hat.shape)}")
         sums = torch.stack([layer_sums(qs.q[layer], qs.positions, kv, kv_hat, layer, qs.scaling[layer],
-                                       qs.sliding[layer], qs.softcap[layer]) for layer in range(L)], dim=1)  # (4, L, H)
+                                       qs.sliding[layer], qs.softcap[layer]) for layer in range(L)], dim=1)
+        # (SUMS, L, H)
         self.sums = sums if self.sums is None else self.sums + sums
         self.queries = max(self.queries, int(qs.q.shape[2]))
 
-    def per_layer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(L,)`` logit relative MSE and ``(L,)`` output relative error, NaN for a layer where no query saw a
+    def per_layer(self) -> tuple[torch.Tensor, ...] | None:
+        """Per layer, each ``(L,)``: the figures of :data:`FIGURES` in order, NaN for a layer where no query saw a
         prefix key; None where nothing was added."""
         if self.sums is None:
             return None
-        s = self.sums.sum(2)  # (4, L) pooled over KV heads
+        s = self.sums.sum(2)  # (SUMS, L) pooled over KV heads
 
         def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
             return torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(num, math.nan))
 
-        return ratio(s[0], s[1]), ratio(s[2], s[3]).sqrt()
+        return ratio(s[0], s[1]), ratio(s[2], s[3]).sqrt(), ratio(s[4], s[5]), ratio(s[6], s[7])
 
     def summary(self) -> dict:
-        """The run's figures: the mean over layers of the per-layer ratios, and the query positions per window."""
+        """The run's figures: the mean over layers of the per-layer ones, and the query positions per window. A layer
+        without a figure is left out of its mean (the KL of a layer with an evicted key included: it is NaN, so a run
+        that evicts keys has no KL)."""
         got = self.per_layer()
         if got is None:
-            return {"attn_logit_rel_mse": math.nan, "attn_output_rel_err": math.nan, "attn_queries": 0}
+            return {**dict.fromkeys(FIGURES, math.nan), "attn_queries": 0}
 
         def mean(x: torch.Tensor) -> float:
             x = x[~x.isnan()]
             return float(x.mean()) if x.numel() else math.nan
 
-        return {"attn_logit_rel_mse": mean(got[0]), "attn_output_rel_err": mean(got[1]), "attn_queries": self.queries}
+        figures = dict(zip(FIGURES, map(mean, got)))
+        if bool((got[3].isnan() & ~got[1].isnan()).any()):
+            figures["attn_kl"] = math.nan  # some layer evicted a seen key: no finite divergence for the run
+        return {**figures, "attn_queries": self.queries}
 
     def annotate(self, rows: list[dict]) -> list[dict]:
-        """``rows`` (one per layer and kind) with their layer's two figures as columns, NaN where not measured."""
+        """``rows`` (one per layer and kind) with their layer's figures as columns, NaN where not measured."""
         got = self.per_layer()
         out = []
         for row in rows:
-            logit, err = (math.nan, math.nan) if got is None else (float(got[0][row["layer"]]),
-                                                                   float(got[1][row["layer"]]))
-            out.append({**row, "attn_logit_rel_mse": logit, "attn_output_rel_err": err})
+            values = [math.nan] * len(FIGURES) if got is None else [float(x[row["layer"]]) for x in got]
+            out.append({**row, **dict(zip(FIGURES, values))})
         return out
+
+
+#: the run's attention figures, in the order :meth:`AttentionError.per_layer` gives them
+FIGURES = ("attn_logit_rel_mse", "attn_output_rel_err", "attn_logit_mse", "attn_kl")

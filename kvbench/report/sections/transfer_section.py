@@ -31,13 +31,15 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import Column, pick
 
 CELL_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
-                    "rel_mse_k", "rel_mse_v", "attn_logit_rel_mse", "attn_output_rel_err", "nll_base", "delta_nll",
+                    "rel_mse_k", "rel_mse_v", "attn_logit_rel_mse", "attn_output_rel_err", "attn_logit_mse",
+                    "attn_kl", "nll_base", "delta_nll",
                     "delta_nll_ci_text", "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text",
                     "recall_vs_ref", "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n",
                     "measure_s", "load_average_1min")
 #: the distortions whose rank agreement with the loss is measured: summary key -> what the table calls it
 DISTORTIONS = {"rel_mse_k": "rel MSE K", "rel_mse_v": "rel MSE V", "rel_mse_kv": "rel MSE K+V (mean)",
-               "attn_logit_rel_mse": "attention-logit rel MSE", "attn_output_rel_err": "attention-output rel err"}
+               "attn_logit_rel_mse": "attention-logit rel MSE", "attn_output_rel_err": "attention-output rel err",
+               "attn_logit_mse": "attention-logit MSE (softmax units)", "attn_kl": "attention KL"}
 #: the losses they are ranked against: column -> what the table calls it
 LOSSES = {"rel_delta_nll": "next-token dNLL / base", "rel_delta_nll_recall": "recall dNLL / recall base"}
 POOLED = "all models"

@@ -105,3 +105,20 @@ def test_the_section_draws_both_figures_and_a_table_per_view(filed):
     assert [t.stem for t in tables] == ["scale", "scale_fit", "scale_reach"]
     assert all(fig is not None for fig, _ in figures.values())
     assert not any(math.isnan(v) for v in tables[2].frame["reach_extrapolated"])
+
+
+def test_a_longer_window_held_alone_is_the_reach_but_no_point_on_the_two_window_curves(filed, tmp_path):
+    script = _script()
+    alone = output()
+    alone["meta"] = {**alone["meta"], "lengths": [16384], "compressors": COMPRESSORS[:1], "n_calib": 0}
+    alone["rows"] = [{**r, "context": 16384, "wall_s": 999.0, "step_peak_rss_gb": 9.0} for r in alone["rows"][:4]]
+    out = tmp_path / "alone.json"
+    out.write_text(json.dumps(alone))
+    script.file_runs([out], tmp_path / "sweep")
+    d = collect([filed[0].parent]).scale
+    cap = fits(d)
+    two = cap[(cap["step"] == "capture") & (cap["windows_held"] == 2)].iloc[0]
+    assert two["lengths"] == len(LENGTHS) and two["wall_s_per_1k_sq"] == pytest.approx(0.5)  # 16384 not in it
+    r = reach(d).iloc[0]
+    assert (r["context_max"], r["windows_at_max"], r["peak_at_max_gb"]) == (16384, 1, 9.0)
+    assert r["reach_extrapolated"] == pytest.approx((24.0 - 1.5) / 0.25 * 1000)

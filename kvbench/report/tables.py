@@ -229,6 +229,8 @@ CATALOGUE = {c.key: c for c in (
     _col("mutation_failures", "failures", ",.0f"),
     # wall time and peak memory of each step of a cell against the context (scale.json, one row per step)
     _col("step", "step"),
+    _col("windows_held", "windows held", "d"),
+    _col("windows_at_max", "windows held there", "d"),
     _col("wall_s", "wall s", ",.2f"),
     _col("rss_before_gb", "RSS before GB", ".2f"),
     _col("step_peak_rss_gb", "step peak RSS GB", ".2f"),

@@ -91,6 +91,8 @@ def geometry_of(model_cfg: Any) -> Geometry:
         return from_checkpoint(path)
     if source == "packaged" and name in MODELS and MODELS[name].geometry is not None:
         return MODELS[name].geometry
-    raise ValueError(f"model.name={name!r} (model.source={source!r}) has no geometry; choose a packaged model "
-                     f"{sorted(MODELS)}, a geometry-only config of configs/model/ (model.source={GEOMETRY_ONLY}), or "
-                     "model=hf model.path=DIR")
+    from kvbench.core.config import available
+
+    raise ValueError(f"model.name={name!r} (model.source={source!r}) has no geometry; choose model= one of "
+                     f"{[m for m in available('model') if m != 'hf']} (packaged, or geometry only), or model=hf "
+                     "model.path=DIR")

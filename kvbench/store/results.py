@@ -73,6 +73,8 @@ KINDS = {
     "stepcost": Kind("stepcost", "stepcost-", "stepcost.json", "stepcost.parquet"),
     # filed by scripts/reliability.py from the fuzz tests' tally, not by a command: one per compressor and variant
     "reliability": Kind("reliability", "reliability-", "reliability.json", "reliability.parquet"),
+    # filed by python -m kvbench capacity from committed evidence, not measured: one per model and memory budget
+    "capacity": Kind("capacity", "capacity-", "capacity.json", "capacity.parquet"),
 }
 
 #: top-level config nodes that say where results go, whether to reuse them or how much memory a run may take, not

@@ -1,12 +1,13 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
-(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode``, ``stepcost`` and
-``reliability`` show every run under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
+(``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode``, ``stepcost``,
+``reliability`` and ``capacity`` show every run under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations
 
 from kvbench.report.sections.accuracy_section import accuracy_study
+from kvbench.report.sections.capacity_section import capacity
 from kvbench.report.sections.decode_section import decode
 from kvbench.report.sections.defaults_section import defaults
 from kvbench.report.sections.dev_split_section import dev_recall, dev_split
@@ -35,9 +36,9 @@ BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequen
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
             "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
-            "stepcost": stepcost, "reliability": reliability}
+            "stepcost": stepcost, "reliability": reliability, "capacity": capacity}
 #: sections with no study: they show every run under the report's dirs
-ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability")
+ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability", "capacity")
 
 
 def _registry() -> dict[str, Section]:

@@ -355,9 +355,10 @@ def format_capacity(s: dict) -> str:
     return "\n".join(lines)
 
 
-def file_run(summary: dict, cfg_dict: dict, root: Path) -> Path:
-    """Write the capacity run under ``root``/runs, as every command files its runs, and return its directory."""
-    key, sha = cell_key(cfg_dict), git_sha()
+def file_run(summary: dict, cfg_dict: dict, root: Path, sha: str | None = None) -> Path:
+    """Write the capacity run under ``root``/runs, as every command files its runs, and return its directory
+    (``sha``: the code version it records; default this checkout's)."""
+    key, sha = cell_key(cfg_dict), sha or git_sha()
     path = run_dir(root, KIND, summary["model"], key, sha)
     rows = summary["rows"]
     write(path, KIND, {**summary, "kind": KIND, "cell_key": key, "git_sha": sha,

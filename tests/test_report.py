@@ -388,9 +388,10 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| smollm2_135m | streaming_llm | 0.25 | 4 sinks + 252 recent | 16-bit |" in md["eviction"]
     assert "_no stepcost runs_" in md["stepcost"]  # these study runs hold no stepcost run: tests/test_stepcost.py
     assert "_no reliability runs_" in md["reliability"]  # nor a reliability run: tests/test_reliability.py
+    assert "_no capacity runs_" in md["capacity"]  # nor a capacity run: tests/test_capacity.py
     for name in studies:
         assert (tmp_path / f"{name}.md").read_text() == md[name]
-        if name not in ("stepcost", "reliability"):
+        if name not in ("stepcost", "reliability", "capacity"):
             assert r"\begin{tabular}" in (tmp_path / f"{name}.tex").read_text()
 
 

@@ -97,7 +97,8 @@ def capacity(got: Collection) -> tuple[list[Table], Figures]:
     commits = [c for c in runs.columns if c.startswith("evidence.") and c.endswith(".commit")]
     runs = runs.assign(evidence_text=runs.apply(lambda r: "; ".join(
         f"{c.split('.')[1]} at {r[c]}" for c in commits if pd.notna(r[c])), axis=1))
-    proj = _order(_text(d[d["row"] == PROJECTED]))
+    # the runs' configs are in their evidence; the rows carry what each figure rests on
+    proj = _order(_text(d[d["row"] == PROJECTED])).drop(columns=[c for c in d.columns if c.startswith("cfg.")])
     fit = proj.drop_duplicates(["run_id", "label", "measured_model", "bits_run"])
     published = d[d["row"] == PUBLISHED].drop_duplicates(["source", "setting", "published_model"])
     return [Table("capacity", runs, SETTING_COLUMNS, "what each run assumes", SETTING_NOTE),

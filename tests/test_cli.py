@@ -22,7 +22,7 @@ def test_help_lists_every_command_of_the_table_once_in_its_order(capsys):
 
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "usage: python -m kvbench {run,capture,assets,eval,latency,restore,stepcost,report,bound} ..."
+    assert lines[0] == "usage: python -m kvbench {run,capture,assets,eval,latency,restore,stepcost,capacity,report,bound} ..."
     assert [ln.split()[0] for ln in lines[2:]] == list(COMMANDS)
     assert main(["bogus"]) == 2 and "unknown subcommand 'bogus'" in capsys.readouterr().err
 
@@ -32,9 +32,10 @@ def test_every_kind_of_run_is_measured_by_the_command_of_its_name_and_every_name
     from kvbench.store.results import KINDS
     from kvbench.sweep.commands import COMMANDS, MEASURING, function
 
-    # the fuzz tests' tallies and the scale benchmark's steps are filed as runs by the script that measures them,
-    # not by a command
-    by_script = {"reliability": "scripts/reliability.py", "scale": "scripts/bench_scale.py"}
+    # the fuzz tests' tallies and the scale benchmark's steps are filed as runs by the script that measures them, not
+    # by a command; capacity runs by a command that measures nothing (it reads committed evidence)
+    by_script = {"reliability": "scripts/reliability.py", "scale": "scripts/bench_scale.py",
+                 "capacity": "kvbench/report/capacity.py"}
     assert {name: c.kind for name, c in MEASURING.items()} == {k: v for k, v in KINDS.items() if k not in by_script}
     assert all((CONFIG_DIR.parent / script).is_file() for script in by_script.values())
     for c in COMMANDS.values():

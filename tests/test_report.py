@@ -389,9 +389,10 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "_no stepcost runs_" in md["stepcost"]  # these study runs hold no stepcost run: tests/test_stepcost.py
     assert "_no reliability runs_" in md["reliability"]  # nor a reliability run: tests/test_reliability.py
     assert "_no scale runs_" in md["scale"]  # nor a scale run: tests/test_scale.py
+    assert "_no capacity runs_" in md["capacity"]  # nor a capacity run: tests/test_capacity.py
     for name in studies:
         assert (tmp_path / f"{name}.md").read_text() == md[name]
-        if name not in ("stepcost", "reliability", "scale"):
+        if name not in ("stepcost", "reliability", "scale", "capacity"):
             assert r"\begin{tabular}" in (tmp_path / f"{name}.tex").read_text()
 
 

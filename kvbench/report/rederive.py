@@ -9,6 +9,10 @@ resamples and seed) and names every field that differs. The NLLs are computed in
 a run's statistics come back to the last bit; the comparison allows :data:`RELATIVE` for a different numpy build, far
 below what one edited token moves (one float32 step of one token among thousands moves a mean by about 1e-10).
 
+A capacity run (``python -m kvbench capacity``) holds no per-token NLLs: its rows are computed again from the
+evidence of the studies it names (:func:`kvbench.report.capacity.recompute`), so a projection left behind by a
+republished study fails the check.
+
 A run published by two studies is stored in each (a study's evidence is a folder of its own): :func:`copies`
 requires those copies to be byte-identical, so an edit to one cannot make two pages disagree about one run.
 """
@@ -27,6 +31,8 @@ from kvbench.store.results import NLL_FILE, read_nll
 
 #: the summary of a run that scores held-out tokens (other kinds keep no per-token NLLs)
 SUMMARY = "summary.json"
+#: the summary of a capacity run, recomputed from the evidence it was computed from
+CAPACITY = "capacity.json"
 #: how far a recomputed figure may be from the summary's, relative (and absolute, for figures near zero)
 RELATIVE = 1e-12
 #: what a summary with per-token NLLs must state, per probe
@@ -95,6 +101,10 @@ def recompute_run(run_dir: str | Path) -> tuple[list[str], list[str]]:
 
 
     run_dir = Path(run_dir)
+    if (run_dir / CAPACITY).exists():
+        from kvbench.report.capacity import recompute
+
+        return recompute(run_dir)
     if not (run_dir / SUMMARY).exists():
         return [], []
     summary = json.loads((run_dir / SUMMARY).read_text())

@@ -12,9 +12,11 @@ summary or config fields, and names a field and, optionally, a format::
 ``STUDY/TABLE`` reads one of the report's tables of the study's runs: ``runs`` (the default; one row per run),
 ``evals`` (per eval run and task), ``latency`` (per latency run, context and cache), ``restore`` (per restore run,
 context and link bandwidth), ``stepcost`` (per stepcost run and stage), ``reliability`` (per compressor's fuzz
-run and mutation) or ``scale`` (per scale run, step and compressor). A selector ``KEY=VALUE`` (quoted with ``"..."`` when it holds spaces) matches a column
-of that table: the summary's key (nested keys joined with dots), else the run config's (``cfg.KEY``), else, for
-``compressor.X``, the compressor's full hyperparameters (``compressor_params.X``); numbers compare as numbers. A
+run and mutation), ``scale`` (per scale run, step and compressor) or ``capacity`` (per capacity run, coder and
+context, and the published figures it quotes). A selector ``KEY=VALUE`` (quoted with ``"..."`` when it holds
+spaces) matches a column of that table: the summary's key (nested keys joined with dots), else the run config's
+(``cfg.KEY``), else, for ``compressor.X``, the compressor's full hyperparameters (``compressor_params.X``); numbers
+compare as numbers. A
 reference that selects no row, or several, is an error that names them; ``*`` accepts several rows that agree on the
 field (a setting or a baseline every selected run shares). The field is a column of the same table, derived ones
 included (``delta_nll_ci_text``, ``nll_verdict``, ``x_bound``); the format is a ``format()`` spec or one of the

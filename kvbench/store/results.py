@@ -75,6 +75,8 @@ KINDS = {
     "reliability": Kind("reliability", "reliability-", "reliability.json", "reliability.parquet"),
     # filed by scripts/bench_scale.py from its measurements: one per model and context length, one row per step
     "scale": Kind("scale", "scale-", "scale.json", "scale.parquet"),
+    # filed by python -m kvbench capacity from committed evidence, not measured: one per model and memory budget
+    "capacity": Kind("capacity", "capacity-", "capacity.json", "capacity.parquet"),
 }
 
 #: top-level config nodes that say where results go, whether to reuse them or how much memory a run may take, not

@@ -44,6 +44,8 @@ COMMANDS = {c.name: c for c in (
     Command("stepcost", "where a model-running coder's seconds go, against a plain cached decode step", config="stepcost",
             measure="kvbench.measure.stepcost:measure_stepcost", format="kvbench.measure.stepcost:format_stepcost",
             kind=KINDS["stepcost"]),
+    Command("capacity", "KV tokens, concurrent contexts and projected decode tokens/s for a model and a memory budget",
+            config="capacity", main="kvbench.report.capacity:main"),
     Command("report", "tables and paper figures from every summary.json under DIR...", main="kvbench.report.build:main"),
     Command("bound", "the entropy bound vs per-vector arithmetic and every measured run", main="kvbench.report.bound:main"),
 )}

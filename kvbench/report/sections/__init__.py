@@ -1,12 +1,14 @@
 """The report's sections, listed here once: the function that builds each one's tables and figures (one module per
 section, ``<name>_section``), with the presets whose cells it shows read from the study that names it
 (``configs/study/``, :mod:`kvbench.sweep.studies_config`). ``overview``, ``defaults``, ``decode``, ``stepcost``,
-``reliability`` and ``scale`` show every run under the report's dirs; which runs a study section shows is :func:`kvbench.report.sections.selection.select`.
+``reliability``, ``scale`` and ``capacity`` show every run under the report's dirs; which runs a study section shows is
+:func:`kvbench.report.sections.selection.select`.
 """
 
 from __future__ import annotations
 
 from kvbench.report.sections.accuracy_section import accuracy_study
+from kvbench.report.sections.capacity_section import capacity
 from kvbench.report.sections.decode_section import decode
 from kvbench.report.sections.defaults_section import defaults
 from kvbench.report.sections.dev_split_section import dev_recall, dev_split
@@ -37,9 +39,9 @@ BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequen
             "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
             "long_context": long_context,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
-            "stepcost": stepcost, "reliability": reliability, "scale": scale}
+            "stepcost": stepcost, "reliability": reliability, "scale": scale, "capacity": capacity}
 #: sections with no study: they show every run under the report's dirs
-ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability", "scale")
+ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability", "scale", "capacity")
 
 
 def _registry() -> dict[str, Section]:

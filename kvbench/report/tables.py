@@ -231,6 +231,7 @@ CATALOGUE = {c.key: c for c in (
     _col("step", "step"),
     _col("windows_held", "windows held", "d"),
     _col("windows_at_max", "windows held there", "d"),
+    _col("dataset_at_max", "text there"),
     _col("wall_s", "wall s", ",.2f"),
     _col("rss_before_gb", "RSS before GB", ".2f"),
     _col("step_peak_rss_gb", "step peak RSS GB", ".2f"),

@@ -21,12 +21,12 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 STEPS = ("capture", "encode", "decode", "score")
-STEP_COLUMNS = pick("model", "context", "windows_held", "step", "compressor", "wall_s", "rss_before_gb", "step_peak_rss_gb",
+STEP_COLUMNS = pick("model", "dataset", "context", "windows_held", "step", "compressor", "wall_s", "rss_before_gb", "step_peak_rss_gb",
                     "estimate_gb", "bits_per_element", "nll", "torch_threads")
-FIT_COLUMNS = pick("model", "windows_held", "step", "compressor", "lengths", "context_max", "wall_fixed_s", "wall_s_per_1k",
+FIT_COLUMNS = pick("model", "dataset", "windows_held", "step", "compressor", "lengths", "context_max", "wall_fixed_s", "wall_s_per_1k",
                    "wall_s_per_1k_sq", "wall_fit_max_rel_err", "quadratic_share_at_max", "rss_fixed_gb",
                    "rss_gb_per_1k")
-REACH_COLUMNS = pick("model", "lengths", "context_max", "windows_at_max", "peak_at_max_gb", "rss_gb_per_1k", "position_limit",
+REACH_COLUMNS = pick("model", "lengths", "context_max", "dataset_at_max", "windows_at_max", "peak_at_max_gb", "rss_gb_per_1k", "position_limit",
                      "machine_memory_gb", "reach_extrapolated")
 STEP_NOTE = ("One evaluated window and one calibration window per length, each window scored on its next held-out "
              "tokens; every step runs in a process of its own, so its peak is its own: capture prefills both windows "
@@ -41,11 +41,10 @@ FIT_NOTE = ("Least squares over the measured lengths, T in thousands of tokens: 
             "step peak GB = fixed + b T. Quadratic share: the c T^2 term's part of the fitted time at the largest "
             "length. A fit needs three lengths for the wall time, two for the memory.")
 REACH_NOTE = ("Largest context: the longest window measured; its peak is the highest step peak there, with the "
-              "windows its trace held. Lengths and the memory fit: the windows-held setting measured at the most "
-              "lengths. Context at machine memory: where the memory fit (the highest step peak at each length "
-              "against the length) "
-              "reaches the measuring machine's memory, extrapolated past the lengths measured and not capped by the "
-              "model's positions, which bound what a window may hold.")
+              "text and the windows its trace held. Lengths and the memory fit: the text and windows-held setting "
+              "measured at the most lengths. Context at machine memory: where the memory fit (the highest step peak "
+              "at each length against the length) reaches the measuring machine's memory, extrapolated past the "
+              "lengths measured and not capped by the model's positions, which bound what a window may hold.")
 
 
 def _ordered(d: pd.DataFrame) -> pd.DataFrame:
@@ -63,13 +62,13 @@ def fit(x: np.ndarray, y: np.ndarray, degree: int) -> np.ndarray:
 
 def fits(d: pd.DataFrame) -> pd.DataFrame:
     """Per model, windows held, step and compressor: the wall-time and peak-memory fits over the measured lengths
-    (a capture of one window is not a point on the curve of a capture of two)."""
+    (a capture of one window is not a point on the curve of a capture of two, nor one text's on another's)."""
     d, rows = _ordered(d), []
-    for (model, held, step, comp), g in d.groupby(["model", "windows_held", "step", d["compressor"].fillna("")],
-                                                  sort=False):
+    for (model, ds, held, step, comp), g in d.groupby(["model", "dataset", "windows_held", "step",
+                                                       d["compressor"].fillna("")], sort=False):
         g = g.assign(wall_s=numeric(g, "wall_s"), peak=numeric(g, "step_peak_rss_gb")).dropna(subset=["context"])
         t = g["context"].to_numpy(float) / 1000
-        row = {"model": model, "windows_held": held, "step": step, "compressor": comp or math.nan,
+        row = {"model": model, "dataset": ds, "windows_held": held, "step": step, "compressor": comp or math.nan,
                "lengths": len(set(t)),
                "context_max": float(t.max() * 1000) if t.size else math.nan}
         ok = np.isfinite(g["wall_s"].to_numpy(float))
@@ -90,18 +89,21 @@ def fits(d: pd.DataFrame) -> pd.DataFrame:
 
 def reach(d: pd.DataFrame) -> pd.DataFrame:
     """Per model: the longest window measured, the highest step peak there, and where the memory fit over every
-    length's highest step peak meets the machine's memory (fitted on the windows-held setting measured at the most
-    lengths)."""
+    length's highest step peak meets the machine's memory (fitted on the text and windows-held setting measured at
+    the most lengths)."""
     d, rows = _ordered(d), []
     for model, g in d.groupby("model", sort=False):
         top = g[g["context"] == g["context"].max()]
-        counts = g.groupby("windows_held")["context"].nunique()
-        g = g[g["windows_held"] == counts.idxmax()] if len(counts) else g
+        counts = g.groupby(["dataset", "windows_held"])["context"].nunique()
+        if len(counts):
+            ds, held = counts.idxmax()
+            g = g[(g["dataset"] == ds) & (g["windows_held"] == held)]
         peaks = numeric(g, "step_peak_rss_gb").groupby(g["context"]).max().dropna()
         t = peaks.index.to_numpy(float) / 1000
         memory = numeric(g, "machine_memory_gb").max()
         row = {"model": model, "lengths": len(peaks), "context_max": float(top["context"].max()),
                "windows_at_max": numeric(top, "windows_held").max(),
+               "dataset_at_max": ", ".join(sorted(set(top["dataset"].astype(str)))),
                "peak_at_max_gb": float(numeric(top, "step_peak_rss_gb").max()),
                "position_limit": numeric(g, "position_limit").max(), "machine_memory_gb": memory}
         if len(peaks) >= 2:

@@ -118,7 +118,8 @@ def _figure(d: pd.DataFrame, y: str, label: str):
     panels = [(m, g) for m, g in d.groupby("model", sort=True)]
     if not panels or plotting.finite(d, "context", y).empty:
         return None, f"no {y} in the scale runs"
-    d = d.assign(series=d["step"] + d["compressor"].map(lambda c: f" {c}" if isinstance(c, str) and c else ""))
+    alone = d["windows_held"].map(lambda n: f" ({n:g} window{'s' if n != 1 else ''})" if n != 2 else "")
+    d = d.assign(series=d["step"] + d["compressor"].map(lambda c: f" {c}" if isinstance(c, str) and c else "") + alone)
     styles = plotting.series_styles(d["series"])
     with plotting.rc_context(plotting.STYLE):
         fig, axes = plotting.grid(len(panels))
@@ -140,8 +141,9 @@ def scale(got: Collection) -> tuple[list[Table], Figures]:
         return [Table("scale", d, STEP_COLUMNS, "each step against the context", STEP_NOTE,
                       empty="_no scale runs_\n")], {}
     d = _ordered(d)
-    return ([Table("scale", d, STEP_COLUMNS, "each step against the context", STEP_NOTE, csv=True),
-             Table("scale_fit", fits(d), FIT_COLUMNS, "the growth fitted to each step", FIT_NOTE),
-             Table("scale_reach", reach(d), REACH_COLUMNS, "the longest context each model reaches", REACH_NOTE)],
+    # one stem: the page shows the three tables together, the reach first
+    return ([Table("scale", reach(d), REACH_COLUMNS, "the longest context each model reaches", REACH_NOTE),
+             Table("scale", fits(d), FIT_COLUMNS, "the growth fitted to each step", FIT_NOTE),
+             Table("scale", d, STEP_COLUMNS, "each step against the context", STEP_NOTE, csv=True)],
             {"scale_wall": _figure(d, "wall_s", "wall s"), "scale_rss": _figure(d, "step_peak_rss_gb",
                                                                                  "step peak RSS GB")})

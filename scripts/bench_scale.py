@@ -129,6 +129,13 @@ def in_child(job: dict) -> dict:
     return json.loads(lines[-1][len(RESULT):])
 
 
+def own_output(path: Path) -> dict:
+    """One of this script's own outputs (an ``--out`` file, results/scale.json by default), never a run's files:
+    runs are read through :mod:`kvbench.store.results`."""
+    with open(path) as f:
+        return json.load(f)
+
+
 #: the arguments that make two runs of this script measure the same thing
 SETTING = ("lengths", "models", "compressors", "dataset", "n_sequences", "n_calib", "eval_len")
 
@@ -139,7 +146,7 @@ def resumed(out: Path, sha: str, setting: dict) -> list[dict]:
     if not out.exists() or sha.endswith("-dirty") or sha == "unknown":
         return []
     try:
-        old = json.loads(out.read_text())
+        old = own_output(out)
     except (OSError, json.JSONDecodeError):
         return []
     meta = old.get("meta", {})
@@ -174,7 +181,7 @@ def file_runs(outputs: list[Path], root: Path) -> list[Path]:
 
     dirs = []
     for out in outputs:
-        got = json.loads(Path(out).read_text())
+        got = own_output(out)
         meta = got["meta"]
         memory = memory_gb() if meta.get("machine") == machine() else None
         cells: dict[tuple, list[dict]] = {}

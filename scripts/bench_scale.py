@@ -153,10 +153,16 @@ def resumed(out: Path, sha: str, setting: dict) -> list[dict]:
     if meta.get("git_sha") != sha or any(meta.get(k) != setting[k] for k in SETTING):
         return []
     want = 1 + (len(STEPS) - 1) * len(setting["compressors"])
-    by_cell: dict[tuple, list[dict]] = {}
-    for r in old.get("rows", []):
-        by_cell.setdefault((r["model"], r["context"]), []).append(r)
-    return [r for cell in by_cell.values() if len(cell) == want and not any("error" in r for r in cell) for r in cell]
+    cells = by_cell(old.get("rows", [])).values()
+    return [r for cell in cells if len(cell) == want and not any("error" in r for r in cell) for r in cell]
+
+
+def by_cell(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """An output's rows per (model, length), in order."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["context"]), []).append(r)
+    return cells
 
 
 def memory_gb() -> float | None:
@@ -184,13 +190,13 @@ def file_runs(outputs: list[Path], root: Path) -> list[Path]:
         got = own_output(out)
         meta = got["meta"]
         memory = memory_gb() if meta.get("machine") == machine() else None
-        cells: dict[tuple, list[dict]] = {}
-        for r in got["rows"]:
-            cells.setdefault((r["model"], r["context"]), []).append(r)
-        for (model, T), rows in cells.items():
+        limits: dict[str, tuple] = {}
+        for (model, T), rows in by_cell(got["rows"]).items():
             if any("error" in r for r in rows):
                 raise SystemExit(f"error: {out}: {model} at {T} tokens has a failed step; measure it again first")
-            limit, source = position_limit(ModelHandle(compose([f"model={model}"]).model).config)
+            if model not in limits:  # one config read per model, not per length
+                limits[model] = position_limit(ModelHandle(compose([f"model={model}"]).model).config)
+            limit, source = limits[model]
             config = {"model": model, "dataset": {"name": meta["dataset"], "seq_len": T, "eval_len": meta["eval_len"],
                                                   "n_sequences": meta["n_sequences"], "n_calib": meta["n_calib"]},
                       "compressors": meta["compressors"]}

@@ -1,6 +1,6 @@
 """Seconds per RULER example of ``python -m kvbench eval`` at one length, and where they go.
 
-    python scripts/bench_eval.py [--compressor kivi] [--length 1024] [--per-family 2] [--families vt fwe ...]
+    python scripts/bench_eval.py [--compressor kivi] [--length 1024] [--per-family 2] [--families ruler_vt ruler_fwe ...]
                                  [--threads 2] [--protocol context_only] [--cells 2] [--prefills new|auto|none|DIR]
                                  [--json out.json]
 

@@ -369,8 +369,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| all | 30 |" in md["accuracy"]
     assert len(_rows(md["end_to_end"])) == 2 * (3 * 3 + 2 + 2 * 1)  # both caches per context, per cell
     assert "| DynamicCache (run of kivi) | 512 |" in md["end_to_end"] and "| 0.500 | 0.250 |" in md["end_to_end"]
-    assert md["frontier"].count("## ") == 2 and "| smollm2_135m | kvtc | 1 | 4 sinks + 128 recent |" in md["frontier"]
-    assert "| smollm2_135m | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
+    assert md["frontier"].count("## ") == 2 and "| smollm2_135m | 1024 | kvtc | 1 | 4 sinks + 128 recent |" in md["frontier"]
+    assert "| smollm2_135m | 1024 | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
     assert "| turboquant (range-coded) | 2 | none |" in md["frontier"]
     assert md["eviction"].count("## ") == 2
     # every latency run against the DynamicCache of its own run (the IQR columns only where summaries carry them)

@@ -32,6 +32,14 @@ def test_near_chance_tasks_are_flagged_and_left_out_of_the_pooled_row_of_a_summa
     assert pooled["smallest_significant_diff"] == pytest.approx(6 / 20)
 
 
+def test_the_pooled_row_carries_its_tasks_length_only_when_they_share_one():
+    mixed = ruler_rows(_evals())  # tasks at 1k and 2k: the pooled row is at no single length
+    assert mixed[mixed["family"] == "pooled"]["length"].isna().all()
+    one = _evals()
+    one = ruler_rows(one[one["task"] != "ruler_vt_2k"])
+    assert (one[one["family"] == "pooled"]["length"] == 1024).all()
+
+
 def test_the_pooled_row_is_the_summarys_own_stratified_bootstrap():
     """A summary's ``overall_informative`` (stratified bootstrap, permutation or McNemar p, detectable change) is the
     pooled row as it stands, not a normal interval rebuilt from per-task variances."""

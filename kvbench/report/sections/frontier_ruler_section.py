@@ -1,7 +1,7 @@
-"""The frontier's third quality axis: RULER at 1,024 tokens under the context-only protocol for each coder's fewest
-stream bits within 1% next-token NLL on the frontier, the FP8 cache as the reference row and eviction at its byte
-cost. Each cell is paired with the 16-bit cache on the same examples (its run's own pooled change) and, example by
-example, with the reference cache (a coder minus FP8, pooled over the tasks clear of chance)."""
+"""The frontier's third quality axis: RULER (at the lengths its cells ran) under the context-only protocol for each
+coder's fewest stream bits within 1% next-token NLL on the frontier, the FP8 cache as the reference row and eviction
+at its byte cost. Each cell is paired with the 16-bit cache on the same examples (its run's own pooled change) and,
+example by example, with the reference cache (a coder minus FP8, pooled over the tasks clear of chance)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,17 @@ from kvbench.report.tables import pick
 #: how much lower a coder's pooled RULER accuracy may be than the reference cache's and still count as no worse
 RULER_MARGIN = 0.01
 
-CELL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "bits_per_element", "n", "acc_base", "acc_comp",
+CELL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "bits_per_element", "length", "n", "acc_base", "acc_comp",
                     "diff", "diff_ci_text", "p_value", "detectable_diff", "ruler_vs_ref", "ruler_vs_ref_ci_text",
                     "ruler_vs_ref_verdict", "eval_s_per_example", "contexts_from_store",
                     formats={"bits_per_element": ".2f"})
-BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "bits_per_element", "acc_comp", "diff",
+BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "bits_per_element", "length", "acc_comp", "diff",
                     "diff_ci_text", "ruler_vs_ref", "ruler_vs_ref_ci_text", "ruler_vs_ref_verdict", "rank_stream",
                     formats={"bits_per_element": ".2f"})
-CELL_NOTE = ("RULER at 1,024 tokens, every family, pooled over the families clear of chance (the 16-bit accuracy "
-             "decides which, the same for every cell of a model); bits/elt: the bits held per KV element of the coded "
-             "contexts, counted from the stored segments (eviction: the kept tokens' 16-bit KV and positions); diff: "
+CELL_NOTE = ("RULER at the context length in the tokens column, every family, pooled over the families clear of "
+             "chance (the 16-bit accuracy decides which, the same for every cell of a model); bits/elt: the bits "
+             "held per KV element of the coded contexts, counted from the stored segments (eviction: the kept tokens' 16-bit "
+             "KV and positions); diff: "
              "compressed - 16-bit on the same examples with its 95% bootstrap interval stratified by task, the paired "
              "test and the change it detects 80% of the time; minus FP8's: the cell's per-example scores minus the FP8 "
              "cache's on the same examples, pooled and bootstrapped the same way, no worse when its interval's lower "

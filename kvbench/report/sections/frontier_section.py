@@ -14,19 +14,19 @@ from kvbench.report.sections.per_model import by_model, model_first, trace_notes
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
-FRONTIER_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+FRONTIER_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                         "bits_per_element", "bits_per_element_amortized", "codec_bits", "stream_compression_ratio",
                         "delta_nll", "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rel_mse_k", "rel_mse_v",
                         "rd_bits_per_element", "rd_bits_per_element_pre_rope", "rd_bits_per_element_weighted",
                         "rd_key_weight", "measure_s", "load_average_1min")
-FRONTIER_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens",
+FRONTIER_BEST_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens",
                              "stream_bits_per_element", "bits_per_element", "bits_per_element_amortized",
                              "codec_bits", "delta_nll",
                              "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "rank_stream", "rank_charged", "rank_amortized")
-RECALL_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+RECALL_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                       "nll_verdict", "nll_recall_base", "delta_nll_recall", "delta_nll_recall_ci_text", "recall_vs_ref",
                       "recall_vs_ref_ci_text", "recall_vs_ref_verdict", "eval_documents_n")
-RECALL_BEST_COLUMNS = pick("model", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
+RECALL_BEST_COLUMNS = pick("model", "context_len", "compressor", "compressor_params.bits", "exact_tokens", "stream_bits_per_element",
                            "bits_per_element", "bits_per_element_amortized", "delta_nll_recall",
                            "delta_nll_recall_ci_text", "recall_vs_ref", "recall_vs_ref_ci_text", "nll_verdict",
                            "eval_documents_n", "rank_stream", "rank_charged", "rank_amortized")

@@ -14,7 +14,7 @@ from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
 RULER_BASE_COLUMNS = pick("model", "family", "length", "n", "acc_base", "chance", "near_chance_text")
-RULER_COLUMNS = pick("model", "compressor", "bits_per_element", "task", "n", "acc_base", "acc_comp", "diff",
+RULER_COLUMNS = pick("model", "compressor", "bits_per_element", "task", "length", "n", "acc_base", "acc_comp", "diff",
                      "diff_ci_text", "paired_test", "p_value", "detectable_diff", formats={"bits_per_element": ".2f"})
 RULER_BASE_NOTE = ("16-bit accuracy per task family and length (the baseline side of every paired run; the same "
                    "examples in each); chance: the score of content-free answerers on the same examples. A task under "
@@ -25,7 +25,7 @@ RULER_NOTE = ("Paired on the same examples; diff = compressed - 16-bit with its 
               "it; the test is exact McNemar where every score is 0 or 1, a paired permutation test where scores give "
               "partial credit; detectable: the true change a two-sided test at the 5% level detects 80% of the time "
               "with this many examples and the observed variance.")
-RULER_CELL_COLUMNS = pick("model", "compressor", "bits_per_element", "protocol", "n_examples", "eval_s",
+RULER_CELL_COLUMNS = pick("model", "compressor", "bits_per_element", "protocol", "length", "n_examples", "eval_s",
                           "eval_s_per_example", "contexts_from_store", "load_average_1min",
                           formats={"bits_per_element": ".2f"})
 RULER_CELL_NOTE = ("Each cell as it ran: its protocol (context_only: the context compressed, the question prefilled on "
@@ -42,11 +42,13 @@ def _pooled_row(g: pd.DataFrame) -> pd.DataFrame:
     """A run's pooled row: its summary's own (``overall_informative.*``: stratified bootstrap over the tasks clear of
     chance); for a run whose summary predates it, pooled here from its tasks' figures."""
     first = g.iloc[[0]]
+    lengths = numeric(g, "length").dropna().unique()
+    length = float(lengths[0]) if len(lengths) == 1 else math.nan  # one length: the pooled row is at it
     own = {c.removeprefix("overall_informative."): first[c].iloc[0] for c in g.columns
            if c.startswith("overall_informative.")}
     if own.get("n") is not None and numeric(pd.DataFrame([own]), "n").gt(0).all():
-        return first.assign(task=POOLED, length=math.nan, family="pooled", **own)
-    return first.assign(task=POOLED, length=math.nan, family="pooled", **pool_tasks(g[~g["near_chance"]]))
+        return first.assign(task=POOLED, length=length, family="pooled", **own)
+    return first.assign(task=POOLED, length=length, family="pooled", **pool_tasks(g[~g["near_chance"]]))
 
 
 def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:

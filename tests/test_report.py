@@ -278,7 +278,8 @@ def _synthetic(cell, i: int) -> tuple[dict, list[dict]]:
         task = {"n": 30, "acc_base": 0.5, "stderr_base": 0.09, "acc_comp": 0.5 - 0.01 * i, "stderr_comp": 0.09,
                 "diff": -0.01 * i, "stderr_diff": 0.02, "ci95_low": -0.01 * i - 0.04, "ci95_high": -0.01 * i + 0.04,
                 "mcnemar_p": 0.5, "identical_responses": 20}
-        names = ("ruler_vt_1k", "ruler_cwe_1k") if "ruler" in cell.cfg.tasks else ("implicatures", "passkey_1k")
+        ruler = any(str(t).startswith("ruler") for t in cell.cfg.tasks)  # every family, or some by name
+        names = ("ruler_vt_1k", "ruler_cwe_1k") if ruler else ("implicatures", "passkey_1k")
         return {**s, "bits_per_element": bits, "tasks": dict.fromkeys(names, task), "overall": task}, []
     if cell.kind == "latency":
         rows = [{"context": t, "cache": cache, "prefill_s": 1.0, "compress_s": 0.1 * (cache == "compressed"),
@@ -348,7 +349,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
                "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
                "eviction_smollm2_135m", "ruler_smollm2_135m", "ruler_pooled_smollm2_135m", "latency_vs_memory",
-               "frontier_ruler_smollm2_135m"}
+               "frontier_ruler_smollm2_135m", "ruler_long_smollm2_135m"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
@@ -378,6 +379,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert md["ruler"].count("## ") == 3 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell
     assert "## The cells" in md["ruler"]
     assert md["frontier_ruler"].count("## ") == 2, md["frontier_ruler"]
+    assert md["ruler_long"].count("## ") == 3 and "## 16-bit baseline per task" in md["ruler_long"], md["ruler_long"]
     # the weighted R(D) table: every cell, stream bits minus the weighted rate, their ratio, and the split's cost
     assert len(_rows(md["frontier_rd"])) == 1 + 12, md["frontier_rd"]  # its header, then a row per cell
     assert "| quantizer + entropy gap | x R(D) | K/V split gap |" in md["frontier_rd"]

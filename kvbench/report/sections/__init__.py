@@ -15,7 +15,7 @@ from kvbench.report.sections.dev_split_section import dev_recall, dev_split
 from kvbench.report.sections.end_to_end_section import end_to_end
 from kvbench.report.sections.eviction_section import eviction
 from kvbench.report.sections.frontier_rd_section import frontier_rd
-from kvbench.report.sections.frontier_ruler_section import frontier_ruler
+from kvbench.report.sections.frontier_ruler_section import frontier_ruler, ruler_long
 from kvbench.report.sections.frontier_section import frontier
 from kvbench.report.sections.overview_section import overview
 from kvbench.report.sections.per_vector_section import per_vector
@@ -36,8 +36,8 @@ __all__ = ["SECTIONS", "Figures", "Section", "Table", "section", "select"]
 #: section name -> the function that builds its tables and figures, in the report's order
 BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequential, "prefix_sharing": prefix_sharing,
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
-            "frontier_ruler": frontier_ruler, "frontier_rd": frontier_rd, "transfer": transfer,
-            "long_context": long_context,
+            "frontier_ruler": frontier_ruler, "ruler_long": ruler_long, "frontier_rd": frontier_rd,
+            "transfer": transfer, "long_context": long_context,
             "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
             "stepcost": stepcost, "reliability": reliability, "scale": scale, "capacity": capacity}
 #: sections with no study: they show every run under the report's dirs

@@ -15,7 +15,7 @@ from kvbench.report import study_figures
 from kvbench.report.collect import Collection, interval_text, numeric
 from kvbench.report.sections.frontier_section import frontier_label, is_reference, lowest_within, rate_ranks
 from kvbench.report.sections.per_model import by_model, model_first
-from kvbench.report.sections.ruler_section import ruler_rows
+from kvbench.report.sections.ruler_section import baseline_table, ruler_rows
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
@@ -83,10 +83,12 @@ def versus_reference(tasks: pd.DataFrame, cells: pd.DataFrame, margin: float = R
     return cells.assign(**out)
 
 
-def frontier_ruler(got: Collection) -> tuple[list[Table], Figures]:
+def frontier_ruler(got: Collection, stem: str = "frontier_ruler") -> tuple[list[Table], Figures]:
+    """Every cell's pooled accuracy paired with the 16-bit cache and with the reference cache, and per coder the
+    fewest bits not shown below the reference's; the tables and figures under ``stem`` (a study reusing them)."""
     d = ruler_rows(got.evals)
     if d.empty:
-        return [], {"frontier_ruler": (None, "no RULER eval run (python scripts/frontier_ruler.py)")}
+        return [], {stem: (None, f"no RULER eval run (python scripts/{stem}.py)")}
     d = d.assign(compressor=frontier_label(d))
     tasks, cells = d[d["family"] != "pooled"], d[d["family"] == "pooled"]
     cells = versus_reference(tasks, cells)
@@ -94,13 +96,23 @@ def frontier_ruler(got: Collection) -> tuple[list[Table], Figures]:
     cells = model_first(cells, "bits_per_element")
     best = rate_ranks(lowest_within(cells[~is_reference(cells)].assign(series=lambda x: x["compressor"]),
                                     verdict="ruler_vs_ref_verdict", passing=("no worse", "unresolved")))
-    tables = [Table("frontier_ruler", cells, CELL_COLUMNS, "RULER pooled accuracy, every cell",
+    tables = [Table(stem, cells, CELL_COLUMNS, "RULER pooled accuracy, every cell",
                     CELL_NOTE.format(margin=-RULER_MARGIN), csv=True),
-              Table("frontier_ruler", best, BEST_COLUMNS,
+              Table(stem, best, BEST_COLUMNS,
                     "fewest bits per element whose RULER accuracy is not shown below FP8's, per coder and model",
                     RANK_NOTE.format(margin=RULER_MARGIN),
                     empty="_no coded cell whose RULER accuracy is not shown below the FP8 cache's_\n")]
     # a line per curve of the frontier (KVTC with and without its window apart), as its tables name them
-    figures = {f"frontier_ruler_{model}": study_figures.pooled_accuracy_vs_bits(g.assign(series=g["compressor"]))
+    figures = {f"{stem}_{model}": study_figures.pooled_accuracy_vs_bits(g.assign(series=g["compressor"]))
                for model, g in by_model(cells)}
     return tables, figures
+
+
+def ruler_long(got: Collection) -> tuple[list[Table], Figures]:
+    """RULER at the leaderboard's length (configs/study/ruler_long.yaml): the 16-bit cache's accuracy per family, which
+    says the families each model clears of chance at this length (only those are pooled), then the frontier's RULER
+    tables of its cells."""
+    tables, figures = frontier_ruler(got, "ruler_long")
+    if not tables:
+        return tables, figures
+    return [baseline_table(ruler_rows(got.evals), "ruler_long"), *tables], figures

@@ -79,16 +79,24 @@ def ruler_rows(ev: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def ruler_study(got: Collection) -> tuple[list[Table], Figures]:
+def baseline_table(d: pd.DataFrame, stem: str) -> Table:
+    """The 16-bit cache's accuracy per model and task of :func:`ruler_rows`' rows, with chance and the near-chance
+    flag."""
     from kvbench.measure.evaluation.evaluate import NEAR_CHANCE_MARGIN
 
+    tasks = d[d["family"] != "pooled"]
+    base = tasks.drop_duplicates(["model", "task"]) if "model" in tasks else tasks.drop_duplicates("task")
+    return Table(stem, base, RULER_BASE_COLUMNS, "16-bit baseline per task",
+                 RULER_BASE_NOTE.format(margin=NEAR_CHANCE_MARGIN))
+
+
+def ruler_study(got: Collection) -> tuple[list[Table], Figures]:
     d = ruler_rows(got.evals)
     if d.empty:
         return [], {"ruler": (None, "no RULER eval run (python -m kvbench eval tasks=[ruler])")}
     tasks = d[d["family"] != "pooled"]
-    base = tasks.drop_duplicates(["model", "task"]) if "model" in tasks else tasks.drop_duplicates("task")
     cells = d[d["family"] == "pooled"]
-    tables = [Table("ruler", base, RULER_BASE_COLUMNS, "16-bit baseline per task", RULER_BASE_NOTE.format(margin=NEAR_CHANCE_MARGIN)),
+    tables = [baseline_table(d, "ruler"),
               Table("ruler", d, RULER_COLUMNS, "accuracy with the compressed cache, per task and pooled", RULER_NOTE, csv=True),
               Table("ruler", cells, RULER_CELL_COLUMNS, "the cells", RULER_CELL_NOTE)]
     figures = {f"ruler_{model}": study_figures.accuracy_vs_bits(g) for model, g in by_model(tasks)}

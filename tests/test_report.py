@@ -349,7 +349,8 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     figures = {"per_vector", "sequential", "prefix_sharing_ratio", "prefix_sharing_budget",
                "prefix_sharing_composition", "accuracy", "end_to_end", "frontier_smollm2_135m",
                "eviction_smollm2_135m", "ruler_smollm2_135m", "ruler_pooled_smollm2_135m", "latency_vs_memory",
-               "frontier_ruler_smollm2_135m", "ruler_long_smollm2_135m"}
+               "frontier_ruler_smollm2_135m", "ruler_long_smollm2_135m", "eviction_ruler_smollm2_135m",
+               "eviction_ruler_bits_smollm2_135m"}
     assert set(res["figures"]) == figures
     for name in figures:
         assert (tmp_path / "figures" / f"{name}.png").stat().st_size > 1000, name
@@ -380,6 +381,7 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "## The cells" in md["ruler"]
     assert md["frontier_ruler"].count("## ") == 2, md["frontier_ruler"]
     assert md["ruler_long"].count("## ") == 3 and "## 16-bit baseline per task" in md["ruler_long"], md["ruler_long"]
+    assert "| smollm2_135m | kvzip keep=0.125 | 0.125 | 0.875 |" in md["eviction_ruler"], md["eviction_ruler"]
     # the weighted R(D) table: every cell, stream bits minus the weighted rate, their ratio, and the split's cost
     assert len(_rows(md["frontier_rd"])) == 1 + 12, md["frontier_rd"]  # its header, then a row per cell
     assert "| quantizer + entropy gap | x R(D) | K/V split gap |" in md["frontier_rd"]

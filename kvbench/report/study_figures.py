@@ -281,17 +281,29 @@ def pooled_accuracy_vs_bits(cells: pd.DataFrame):
     family (its cells at several budgets joined; a ``series`` column, where given, names the lines instead, so that
     variants of one coder are lines of their own), each point with the 95% interval of its paired change around it;
     eviction methods are points at their byte cost. The 16-bit baseline as a dashed line."""
-    d = pl.finite(cells, "acc_comp", "bits_per_element")
+    return _pooled_accuracy(cells, "bits_per_element", "bits / element held", "bits", log=True)
+
+
+def pooled_accuracy_vs_ratio(cells: pd.DataFrame):
+    """RULER accuracy pooled over the families clear of chance against the compression ratio as kvpress's
+    leaderboard states it (the fraction of the cache's tokens evicted: ``press_ratio``), one line per method, each
+    point with the 95% interval of its paired change around it. The 16-bit baseline as a dashed line."""
+    return _pooled_accuracy(cells, "press_ratio", "compression ratio (fraction of tokens evicted)",
+                            "compression ratio", log=False)
+
+
+def _pooled_accuracy(cells: pd.DataFrame, x_col: str, xlabel: str, what: str, log: bool):
+    d = pl.finite(cells, "acc_comp", x_col)
     if d.empty:
-        return None, "no pooled RULER rows with bits per element"
+        return None, f"no pooled RULER rows with {x_col}"
     family = d["series"].astype(str) if "series" in d else d["compressor"].astype(str).str.split(" ").str[0]
     styles = series_styles(family)
     with rc_context(STYLE):
         fig = Figure(figsize=(5.0, 3.4))
         ax = fig.add_subplot()
         for name, g in d.assign(family=family).groupby("family", sort=False):
-            g = g.sort_values("bits_per_element")
-            x, y = g["bits_per_element"].astype(float), g["acc_comp"].astype(float)
+            g = g.sort_values(x_col)
+            x, y = g[x_col].astype(float), g["acc_comp"].astype(float)
             # the interval of the change, placed around the compressed accuracy (the baseline is the same examples')
             low = (g["acc_comp"] - (g["diff"] - g["ci95_low"])).astype(float)
             high = (g["acc_comp"] + (g["ci95_high"] - g["diff"])).astype(float)
@@ -299,10 +311,11 @@ def pooled_accuracy_vs_bits(cells: pd.DataFrame):
             ax.errorbar(x, y, yerr=yerr, fmt="o-", capsize=2, label=name, color=styles[name]["color"])
         for base in d["acc_base"].astype(float).unique():
             ax.axhline(base, color="grey", linestyle="--", linewidth=0.6)
-        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("bits / element held")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("pooled accuracy (95% CI of the change)")
         ax.legend(fontsize=7)
-        fig.suptitle(f"RULER pooled accuracy vs bits, {_title(d)} (dashed: 16-bit)", fontsize=9)
+        fig.suptitle(f"RULER pooled accuracy vs {what}, {_title(d)} (dashed: 16-bit)", fontsize=9)
     return fig, ""

@@ -49,6 +49,7 @@ CATALOGUE = {c.key: c for c in (
     _col("bound_bits_per_token", "bound bits/token", ".2f"),
     _col("x_bound", "x bound", "x", r"$\times$ bound"),
     _col("compression_ratio", "ratio", ".2f"),
+    _col("press_ratio", "compression ratio (evicted)", ".3f"),
     _col("delta_nll", "dNLL (nats)", "+.4f", r"$\Delta$NLL (nats)"),
     _col("delta_nll_ci_text", "dNLL 95% CI", "s", r"$\Delta$NLL 95\% CI"),
     _col("nll_verdict", "within 1%?"),

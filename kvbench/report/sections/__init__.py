@@ -13,6 +13,7 @@ from kvbench.report.sections.decode_section import decode
 from kvbench.report.sections.defaults_section import defaults
 from kvbench.report.sections.dev_split_section import dev_recall, dev_split
 from kvbench.report.sections.end_to_end_section import end_to_end
+from kvbench.report.sections.eviction_ruler_section import eviction_ruler
 from kvbench.report.sections.eviction_section import eviction
 from kvbench.report.sections.frontier_rd_section import frontier_rd
 from kvbench.report.sections.frontier_ruler_section import frontier_ruler, ruler_long
@@ -38,7 +39,8 @@ BUILDERS = {"overview": overview, "per_vector": per_vector, "sequential": sequen
             "accuracy": accuracy_study, "ruler": ruler_study, "end_to_end": end_to_end, "frontier": frontier,
             "frontier_ruler": frontier_ruler, "ruler_long": ruler_long, "frontier_rd": frontier_rd,
             "transfer": transfer, "long_context": long_context,
-            "eviction": eviction, "dev_split": dev_split, "dev_recall": dev_recall, "defaults": defaults, "decode": decode,
+            "eviction": eviction, "eviction_ruler": eviction_ruler, "dev_split": dev_split, "dev_recall": dev_recall,
+            "defaults": defaults, "decode": decode,
             "stepcost": stepcost, "reliability": reliability, "scale": scale, "capacity": capacity}
 #: sections with no study: they show every run under the report's dirs
 ALL_RUNS = ("overview", "defaults", "decode", "stepcost", "reliability", "scale", "capacity")

@@ -87,6 +87,30 @@ def test_runs_of_several_code_versions_or_a_dirty_tree_are_refused_unless_allowe
         one_code_version({"": ["r1"]})
 
 
+def test_a_borrowed_reference_cell_keeps_its_own_code_version_and_the_page_names_it(tmp_path):
+    from kvbench.report.pages import _provenance
+    from kvbench.report.sections import section
+    from kvbench.sweep.presets import cells as preset_cells
+
+    presets = {p.name: p for p in section("eviction").presets}
+    own = write_run(tmp_path, preset_cells([presets["eviction"]])[0], 0, sha="a" * 40)
+    lent = write_run(tmp_path, preset_cells([presets["frontier_kivi"]])[0], 1, sha="b" * 40)
+    out = export("eviction", [own, lent], tmp_path)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["commit"] == "aaaaaaa" and manifest["borrowed"] == {"runs": [lent.name], "commit": "bbbbbbb"}
+    ev = load("eviction", tmp_path)
+    assert (ev.commit, ev.lent_commit) == ("aaaaaaa", "bbbbbbb")
+    assert "at commit `aaaaaaa`; its 1 reference run borrowed from another study's evidence at commit `bbbbbbb`" \
+        in _provenance(ev, tmp_path / "page.md")
+    # the study's own cells still share one version, and the borrowed ones theirs
+    other = write_run(tmp_path, preset_cells([presets["eviction"]])[1], 2, sha="c" * 40)
+    with pytest.raises(MixedCodeVersions, match="several code versions"):
+        export("eviction", [own, other, lent], tmp_path)
+    # a study that borrows nothing checks every run as its own
+    assert export("per_vector", [own], tmp_path) and "borrowed" not in json.loads(
+        (tmp_path / "evidence" / "per_vector" / MANIFEST).read_text())
+
+
 def test_per_token_nlls_pair_window_by_window(tmp_path):
     base = [np.arange(3, dtype=np.float64), np.ones(2)]
     results.write_nll(tmp_path / "nll.npz", base, [b + 1 for b in base])

@@ -14,7 +14,10 @@ Per study, ``<results>/evidence/<study>/`` holds one folder per run, named as it
 Traces, KV, fitted state and weights are never copied (a summary names its trace; it does not hold it). A run two
 studies publish is copied into each, and ``report --check`` requires the copies to be the same bytes. A study
 publishes runs of one code version of a clean tree: :func:`export` refuses several versions, or a ``-dirty`` one,
-unless ``allow_mixed`` (which the manifest records and each page built from it states).
+unless ``allow_mixed`` (which the manifest records and each page built from it states). The cells of presets a
+study borrows from another (``borrowed`` in ``configs/study/``: a reference cell that study publishes) are that
+study's runs at its own code version: they are checked apart, as one clean version of their own, and the manifest
+and each page name it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from kvbench.store.paths import results_root
 from kvbench.store.results import NLL_FILE, read_nll
 
 __all__ = ["NLL_FILE", "NOT_BACKED", "Evidence", "MixedCodeVersions", "evidence_root", "export", "load", "machine",
-           "one_code_version", "read_nll", "study_runs"]
+           "one_code_version", "read_nll", "borrowed_runs", "study_runs"]
 
 FOLDER = "evidence"
 MANIFEST = "manifest.json"
@@ -101,6 +104,27 @@ def _versions(found: dict[Path, list[tuple[Path, dict]]]) -> dict[str, list[str]
     return versions
 
 
+def borrowed_runs(study: str, dirs: Sequence[Path], overrides: Sequence[str] = ()) -> set[str]:
+    """The names of those of run directories ``dirs`` that are cells of presets ``study`` borrows from another
+    study (none for a study without a ``configs/study/`` entry)."""
+    from kvbench.sweep.studies_config import studies
+
+    lent = studies().get(study)
+    sec = SECTIONS.get(study)
+    if lent is None or not lent.borrowed or sec is None:
+        return set()
+    got = select(collect(dirs), [p for p in sec.presets if p.name in lent.borrowed], overrides)
+    return {Path(d).name for f in got.frames().values() if "run_dir" in f for d in f["run_dir"]}
+
+
+def _commits(found: dict[Path, list[tuple[Path, dict]]], lent: set[str],
+             allow_mixed: bool) -> tuple[str, str | None]:
+    """The code version of the study's own runs, and that of the runs it borrows (None without any)."""
+    own = one_code_version(_versions({d: s for d, s in found.items() if d.name not in lent}), allow_mixed)
+    theirs = {d: s for d, s in found.items() if d.name in lent}
+    return own, (one_code_version(_versions(theirs), allow_mixed) if theirs else None)
+
+
 def study_runs(study: str, dirs: Iterable[str | os.PathLike], overrides: Sequence[str] = ()) -> list[Path]:
     """The run directories a study publishes from under ``dirs``: for a report section's study, the newest run of
     each of its cells (as its page shows them); for any other study, the newest run of every cell there."""
@@ -125,7 +149,8 @@ def export(study: str, run_dirs: Iterable[str | os.PathLike], results: str | os.
         raise ValueError(f"two run directories of {study!r} share a name: {sorted(d.name for d in dirs)}")
     found = {d: _summaries(d) for d in dirs}
     versions = _versions(found)
-    commit = one_code_version(versions, allow_mixed)
+    lent = borrowed_runs(study, dirs, overrides)
+    commit, lent_commit = _commits(found, lent, allow_mixed)
     target = evidence_root(results) / study
     with staged_dir(target) as tmp:
         size = 0
@@ -146,7 +171,7 @@ def export(study: str, run_dirs: Iterable[str | os.PathLike], results: str | os.
             "study": study, "runs": sorted(d.name for d in dirs), "commit": commit,
             "code_versions": {k or "unknown": len(v) for k, v in sorted(versions.items())},
             "allow_mixed": bool(allow_mixed), "overrides": list(overrides), "machine": host or machine(),
-            "wall_min": wall_min})
+            "wall_min": wall_min, **({"borrowed": {"runs": sorted(lent), "commit": lent_commit}} if lent else {})})
     return target
 
 
@@ -160,6 +185,14 @@ class Evidence:
     got: Collection
     commit: str  # the code version of its runs, or the ``mixed: ...`` text of an allow_mixed study
     runs: int  # how many
+    lent_commit: str | None = None  # that of the runs it borrows from another study, if any
+
+    @property
+    def borrowed(self) -> str:
+        """What a page says of the runs the study borrows ("" without any)."""
+        n = len((self.manifest.get("borrowed") or {}).get("runs") or ())
+        return (f"; its {n} reference run{'s' * (n != 1)} borrowed from another study's evidence at commit "
+                f"`{self.lent_commit}`") if n else ""
 
     @property
     def overrides(self) -> list[str]:
@@ -188,5 +221,6 @@ def load(study: str, results: str | os.PathLike | None = None) -> Evidence:
         if "run_dir" in f:  # where it is in any checkout, so that what is built from it is the same everywhere
             f["run_dir"] = [f"{FOLDER}/{study}/{run}" for run in f["run_id"]]
     found = {d: _summaries(d) for d in sorted(p for p in path.iterdir() if p.is_dir())}
-    commit = one_code_version(_versions(found), bool(manifest.get("allow_mixed")))
-    return Evidence(study, path, manifest, got, commit, len(found))
+    lent = set((manifest.get("borrowed") or {}).get("runs") or ())
+    commit, lent_commit = _commits(found, lent, bool(manifest.get("allow_mixed")))
+    return Evidence(study, path, manifest, got, commit, len(found), lent_commit)

@@ -9,10 +9,10 @@ import pandas as pd
 
 from kvbench.report import study_figures
 from kvbench.report.collect import Collection, numeric
-from kvbench.report.sections.frontier_ruler_section import RULER_MARGIN, versus_reference
-from kvbench.report.sections.frontier_section import frontier_label, is_reference
+from kvbench.report.sections.frontier_ruler_section import RULER_MARGIN, paired_cells
+from kvbench.report.sections.frontier_section import is_reference
 from kvbench.report.sections.per_model import by_model
-from kvbench.report.sections.ruler_section import baseline_table, ruler_rows
+from kvbench.report.sections.ruler_section import baseline_table
 from kvbench.report.sections.section_types import Figures, Table
 from kvbench.report.tables import pick
 
@@ -37,12 +37,10 @@ def press_ratio(d: pd.DataFrame) -> pd.Series:
 
 
 def eviction_ruler(got: Collection) -> tuple[list[Table], Figures]:
-    d = ruler_rows(got.evals)
-    if d.empty:
+    paired = paired_cells(got)
+    if paired is None:
         return [], {"eviction_ruler": (None, "no RULER eval run (python scripts/eviction_ruler.py)")}
-    d = d.assign(compressor=frontier_label(d))
-    tasks, cells = d[d["family"] != "pooled"], d[d["family"] == "pooled"]
-    cells = versus_reference(tasks, cells)
+    d, cells = paired
     cells = cells.assign(press_ratio=press_ratio(cells))
     order = {m: i for i, m in enumerate(cells["model"].drop_duplicates())}
     cells = cells.assign(_m=cells["model"].map(order), _r=is_reference(cells)).sort_values(

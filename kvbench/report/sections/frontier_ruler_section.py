@@ -83,15 +83,25 @@ def versus_reference(tasks: pd.DataFrame, cells: pd.DataFrame, margin: float = R
     return cells.assign(**out)
 
 
-def frontier_ruler(got: Collection, stem: str = "frontier_ruler") -> tuple[list[Table], Figures]:
-    """Every cell's pooled accuracy paired with the 16-bit cache and with the reference cache, and per coder the
-    fewest bits not shown below the reference's; the tables and figures under ``stem`` (a study reusing them)."""
+def paired_cells(got: Collection) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """RULER's rows of ``got`` with the frontier's coder labels, and each cell's pooled row paired with the 16-bit
+    cache and with the reference cache; None without a RULER eval run."""
     d = ruler_rows(got.evals)
     if d.empty:
-        return [], {stem: (None, f"no RULER eval run (python scripts/{stem}.py)")}
+        return None
     d = d.assign(compressor=frontier_label(d))
-    tasks, cells = d[d["family"] != "pooled"], d[d["family"] == "pooled"]
-    cells = versus_reference(tasks, cells)
+    return d, versus_reference(d[d["family"] != "pooled"], d[d["family"] == "pooled"])
+
+
+def frontier_ruler(got: Collection, stem: str = "frontier_ruler",
+                   paired: tuple[pd.DataFrame, pd.DataFrame] | None = None) -> tuple[list[Table], Figures]:
+    """Every cell's pooled accuracy paired with the 16-bit cache and with the reference cache, and per coder the
+    fewest bits not shown below the reference's; the tables and figures under ``stem`` (a study reusing them, which
+    may hand over its :func:`paired_cells`)."""
+    paired = paired or paired_cells(got)
+    if paired is None:
+        return [], {stem: (None, f"no RULER eval run (python scripts/{stem}.py)")}
+    cells = paired[1]
     cells = cells.assign(stream_bits_per_element=numeric(cells, "bits_per_element"))
     cells = model_first(cells, "bits_per_element")
     best = rate_ranks(lowest_within(cells[~is_reference(cells)].assign(series=lambda x: x["compressor"]),
@@ -112,7 +122,8 @@ def ruler_long(got: Collection) -> tuple[list[Table], Figures]:
     """RULER at the leaderboard's length (configs/study/ruler_long.yaml): the 16-bit cache's accuracy per family, which
     says the families each model clears of chance at this length (only those are pooled), then the frontier's RULER
     tables of its cells."""
-    tables, figures = frontier_ruler(got, "ruler_long")
-    if not tables:
+    paired = paired_cells(got)
+    tables, figures = frontier_ruler(got, "ruler_long", paired)
+    if paired is None:
         return tables, figures
-    return [baseline_table(ruler_rows(got.evals), "ruler_long"), *tables], figures
+    return [baseline_table(paired[0], "ruler_long"), *tables], figures

@@ -41,6 +41,8 @@ VARIANTS = {
     "lossless/zlib": ("lossless", ("compressor.coder=zlib",)),
     "lossless/lzma": ("lossless", ("compressor.coder=lzma",)),
     "knorm/turboquant": ("knorm", ("compressor.inner=turboquant",)),
+    # rows of unequal counts, each coded alone by the inner coder (an inner stream per layer and KV head)
+    "adakv/kivi": ("adakv", ("compressor.scorer=knorm", "+compressor.inner={name:kivi,residual:16}")),
     "pipeline/kivi": ("pipeline", ("compressor.inner={name:kivi,residual:16}",)),
     "fp8/window": ("fp8", ("compressor.window=32",)),  # the README's example, keeping an exact window
 }

@@ -183,6 +183,41 @@ def test_adakv_on_the_tiny_model_shares_each_layers_budget_between_its_heads():
     assert flag & PER_ROW and counts == per_head.flatten().tolist() and top == max(counts)
 
 
+@pytest.mark.parametrize("inner", ["{name:fp8}", "{name:kivi,bits:4,group_size:8,residual:4}"])
+def test_rows_of_unequal_counts_code_each_row_as_the_inner_coder_codes_it_alone(inner):
+    """AdaKV's kept KV through a per-vector coder: each (layer, KV head)'s kept entries decode as the inner coder
+    decodes that row coded by itself, and the stream counts every row's inner stream, frames included."""
+    from kvbench.core.compressor import rebuild
+
+    L, H, T, D = 3, 2, 48, 16
+    g = torch.Generator().manual_seed(5)
+    kv = KVSequence(torch.randn(L, H, T, D, generator=g).half(), torch.randn(L, H, T, D, generator=g).half())
+    comp = make_compressor(compose(["+compressor=adakv", "compressor.scorer=knorm", "compressor.keep=0.5",
+                                    f"+compressor.inner={inner}"]).compressor)
+    ctx = Context(L, H, T, D, torch.float16)
+    bs = comp.encode(kv, ctx)
+    out = decoder_for(comp, state_bytes(comp)).decode(Bitstream.from_bytes(bs.data), ctx)
+    counts = out.kept.sum(-1)  # (L, H)
+    assert not (counts == counts[0, 0]).all()  # the rows keep unequal counts
+    alone, inner_bits = rebuild(comp.inner), 0
+    for layer in range(L):
+        for head in range(H):
+            row = out.kept[layer, head]  # (T,)
+            sub = KVSequence(kv.k[layer, head, row][None, None], kv.v[layer, head, row][None, None])
+            one = alone.encode(sub, Context(1, 1, int(row.sum()), D, torch.float16))
+            back = alone.decode(one, Context(1, 1, int(row.sum()), D, torch.float16))
+            assert torch.equal(out.k[layer, head, row], back.k[0, 0].half())
+            assert torch.equal(out.v[layer, head, row], back.v[0, 0].half())
+            inner_bits += one.num_bits
+    sections = Bitstream.from_bytes(bs.data).parts
+    assert sum(n for name, n in sections.items() if name.startswith("inner/")) == inner_bits
+    assert not torch.equal(out.k[out.kept], kv.k[out.kept])  # coded, not 16-bit
+    with pytest.raises(Exception, match="checksum|corrupt"):
+        damaged = bytearray(bs.data)
+        damaged[len(damaged) // 2] ^= 0xFF
+        comp.decode(Bitstream.from_bytes(bytes(damaged)), ctx)
+
+
 @pytest.mark.parametrize("cls", [AdaKV, PyramidKV])
 def test_keep_tokens_gives_the_rules_what_the_same_fraction_gives(cls):
     scores = _random_scores(4, 3, 160, 9)
@@ -208,7 +243,9 @@ def test_the_rule_takes_the_budget_and_the_scorer_keeps_its_own_fields():
     (["+compressor=adakv", "compressor.scorer=nonesuch"], r"adakv\.scorer='nonesuch' is not a compressor config"),
     (["+compressor=adakv", "compressor.scorer={name:knorm,inner:turboquant}"],
      r"adakv\.scorer='knorm' has inner='turboquant'.*inner=null"),
-    (["+compressor=pyramidkv", "+compressor.inner=turboquant"], r"pyramidkv\.inner='turboquant': pyramidkv's layers"),
+    (["+compressor=pyramidkv", "+compressor.inner=turboquant"],
+     r"pyramidkv\.inner='turboquant': pyramidkv's layers.*only a coder that fits nothing.*fp8, kivi"),
+    (["+compressor=adakv", "+compressor.inner={name:kvtc,bits:2}"], r"adakv\.inner='kvtc'.*only a coder that fits"),
     (["+compressor=pyramidkv", "compressor.beta=0"], r"pyramidkv\.beta=0 is out of range"),
     (["+compressor=pyramidkv", "compressor.window_size=-1"], r"pyramidkv\.window_size=-1 is out of range"),
     (["+compressor=pyramidkv", "compressor.keep_tokens=64"], r"pyramidkv: give exactly one of keep .* keep_tokens"),

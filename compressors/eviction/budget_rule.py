@@ -17,8 +17,9 @@ class BudgetRule(Eviction):
     """The kept entries of ``scorer`` (an eviction method: a config name such as ``snapkv``, a ``{name: ...,
     FIELD: ...}`` node or an :class:`Eviction`) under this rule's budget: ``keep`` (or ``keep_tokens``) is the
     rule's and the scorer's own is replaced by it; the scorer's protected tokens (sinks, observation window) stay
-    protected in every row. The kept KV is stored at 16 bits (rows keep different counts, so ``inner`` is refused),
-    and the scorer's ``inner`` must be null."""
+    protected in every row. The kept KV is stored at 16 bits, or by an ``inner`` coder that fits nothing (rows keep
+    different counts, so each is coded alone: :mod:`compressors.eviction.evict`); the scorer's ``inner`` must be
+    null."""
 
     scorer: Any = "snapkv"
 

@@ -17,8 +17,10 @@ decoder needs:
 
 A budget rule may share the same total differently (:meth:`Eviction.budgets`, :attr:`Eviction.budget_pool`):
 PyramidKV gives deeper layers fewer entries, AdaKV lets a layer's heads share its budget, KVzip ranks the whole
-cache at once. Their kept KV is a set of unequal rows, stored at 16 bits (``inner`` takes a ``(L, H, K, D)``
-sequence, so such a rule refuses one).
+cache at once. Their kept KV is a set of unequal rows: at 16 bits, or through an ``inner`` coder that fits nothing
+and needs no model config (FP8, KIVI), which then codes each (layer, KV head)'s kept entries as a ``(1, 1, K_lh, D)``
+sequence of its own, every stream's frame counted (a fitted coder such as KVTC, whose state is per layer, is
+refused).
 
 The decoder returns the full ``(L, H, T, D)`` shape with zeros at evicted entries and ``kept`` set; the harness
 hides evicted entries from attention at their original positions (:mod:`kvbench.cache.eviction_mask`) and measures
@@ -45,7 +47,7 @@ from compressors.eviction.kept_positions import GAPS, decode_positions, encode_p
 from kvbench.coding.bitstream import Bitstream, BitstreamError
 from kvbench.coding.packing import tensor_from_bytes, tensor_to_bytes
 from kvbench.core.checks import check_range
-from kvbench.core.compressor import Compressor, Kept, Section, SetCompressor
+from kvbench.core.compressor import Compressor, Kept, Section, SetCompressor, fits
 from kvbench.core.flops import prefill_flops_per_token
 from kvbench.core.kv import Context, KVSequence
 
@@ -106,23 +108,28 @@ def protected_kept(sinks: int, window: int, n_tokens: int, k: int, word: str = "
 # ---------------------------------------------------------------------------------------------- the base
 
 
-def _embed(inner_bs: Bitstream) -> dict[str, Section]:
-    """The inner stream as outer sections, ``inner/frame`` (its header and checksum) and each of its sections at
+def _embed(inner_bs: Bitstream, prefix: str = "inner") -> dict[str, Section]:
+    """The inner stream as outer sections, ``PREFIX/frame`` (its header and checksum) and each of its sections at
     its exact bit count, so that the outer stream counts exactly the inner stream's bits."""
     stored = Bitstream.from_bytes(inner_bs.data)
     payloads = stored.sections()
     body = sum(len(p) for p in payloads.values())
-    out: dict[str, Section] = {"inner/frame": stored.data[: len(stored.data) - 4 - body] + stored.data[-4:]}
-    out.update({f"inner/{name}": (raw, stored.parts[name]) for name, raw in payloads.items()})
+    out: dict[str, Section] = {f"{prefix}/frame": stored.data[: len(stored.data) - 4 - body] + stored.data[-4:]}
+    out.update({f"{prefix}/{name}": (raw, stored.parts[name]) for name, raw in payloads.items()})
     return out
 
 
-def _unembed(sec: Mapping[str, bytes]) -> Bitstream:
-    frame = sec.get("inner/frame")
+def _unembed(sec: Mapping[str, bytes], prefix: str = "inner") -> Bitstream:
+    frame = sec.get(f"{prefix}/frame")
     if frame is None or len(frame) < 4:
-        raise BitstreamError("eviction bitstream has no inner stream")
-    payloads = [raw for name, raw in sec.items() if name.startswith("inner/") and name != "inner/frame"]
+        raise BitstreamError(f"eviction bitstream has no inner stream {prefix!r}")
+    payloads = [raw for name, raw in sec.items() if name.startswith(f"{prefix}/") and name != f"{prefix}/frame"]
     return Bitstream.from_bytes(frame[:-4] + b"".join(payloads) + frame[-4:])
+
+
+def _row(layer: int, head: int) -> str:
+    """The outer sections' prefix of one (layer, KV head)'s inner stream, where the rows keep unequal counts."""
+    return f"inner/{layer}.{head}"
 
 
 @dataclass
@@ -175,10 +182,11 @@ class Eviction(Compressor):
             if isinstance(self.inner, (SetCompressor, Eviction)) or self.inner.needs_model:
                 raise ValueError(f"{self.name}.inner={self.inner.name!r} cannot code the kept vectors: give a "
                                  "per-sequence compressor that needs no model and keeps every token (e.g. turboquant)")
-            if not self.equal_counts:
+            if not self.equal_counts and (fits(self.inner) or self.inner.needs_config):
                 raise ValueError(f"{self.name}.inner={self.inner.name!r}: {self.name}'s layers and heads keep "
-                                 "different numbers of tokens, so the kept KV is no (layers, heads, tokens) sequence "
-                                 "an inner compressor takes; inner must be null (16-bit)")
+                                 "different numbers of tokens, so each (layer, KV head) is coded as a sequence of its "
+                                 "own, which only a coder that fits nothing and needs no model config can code "
+                                 "(e.g. fp8, kivi); or inner=null (16-bit)")
             self.needs_config = bool(self.inner.needs_config)  # what the harness hands over depends on the inner
         self._stats: dict[str, float] = {}
 
@@ -292,11 +300,18 @@ class Eviction(Compressor):
         sections: dict[str, Section] = {"header": pos.header, **pos.sections}
         if self.inner is None:  # the kept entries row by row, positions in order: (N, D) each
             sections.update({"k": tensor_to_bytes(kv.k[kept]), "v": tensor_to_bytes(kv.v[kept])})
-        else:
+        elif self.equal_counts:
             k = int(kept[0, 0].sum())
             k_kept = kv.k[kept].reshape(L, H, k, D)  # (L, H, K, D), kept positions in order
             v_kept = kv.v[kept].reshape(L, H, k, D)  # (L, H, K, D)
             sections.update(_embed(self.inner.encode(KVSequence(k_kept, v_kept), self._inner_ctx(ctx, k))))
+        else:  # rows of unequal counts: one inner stream per (layer, KV head), L * H of them, not a loop over tokens
+            counts = kept.sum(-1).tolist()  # (L, H)
+            for layer, head in ((a, b) for a in range(L) for b in range(H) if counts[a][b]):
+                row = kept[layer, head]  # (T,)
+                sub = KVSequence(kv.k[layer, head, row][None, None], kv.v[layer, head, row][None, None])  # (1,1,K,D)
+                one = Context(1, 1, counts[layer][head], D, ctx.dtype, config=ctx.config, start=ctx.start)
+                sections.update(_embed(self.inner.encode(sub, one), _row(layer, head)))
         return Bitstream.pack(self.name, sections)
 
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
@@ -312,12 +327,19 @@ class Eviction(Compressor):
             n = int(kept.sum())
             k_kept = tensor_from_bytes(sec["k"], ctx.dtype, (n, D))
             v_kept = tensor_from_bytes(sec["v"], ctx.dtype, (n, D))
-        else:
+        elif self.equal_counts:
             if not bool((kept.sum(-1) == k).all()):
                 raise BitstreamError(f"{self.name} bitstream keeps different counts per head, but its kept KV is one "
                                      "inner stream of equal rows")
             out = self.inner.decode(_unembed(sec), self._inner_ctx(ctx, k))
             k_kept, v_kept = out.k.to(ctx.dtype), out.v.to(ctx.dtype)
+        else:  # one inner stream per (layer, KV head) that keeps any entry, in the order the mask lists them
+            counts = kept.sum(-1).tolist()  # (L, H)
+            rows = [self.inner.decode(_unembed(sec, _row(a, b)), Context(1, 1, counts[a][b], D, ctx.dtype,
+                                                                       config=ctx.config, start=ctx.start))
+                    for a in range(L) for b in range(H) if counts[a][b]]
+            k_kept = torch.cat([r.k.reshape(-1, D) for r in rows]).to(ctx.dtype)  # (N, D)
+            v_kept = torch.cat([r.v.reshape(-1, D) for r in rows]).to(ctx.dtype)  # (N, D)
         k_full = torch.zeros(L, H, T, D, dtype=ctx.dtype)
         v_full = torch.zeros(L, H, T, D, dtype=ctx.dtype)
         k_full[kept] = k_kept.reshape(-1, D)

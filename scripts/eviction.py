@@ -1,13 +1,14 @@
 """Token eviction on both packaged models: every method keeping a quarter and a half of the tokens per layer and
-KV head (kept positions coded and counted), SnapKV with its kept KV coded by TurboQuant, and the per-vector
-quantizers of the frontier presets as the reference at similar stored bits.
+KV head (kept positions coded and counted; KVzip and AdaKV over ExpectedAttention among them), the kept KV of SnapKV
+coded by TurboQuant and of KVzip and AdaKV by FP8 or KIVI 4-bit, and the frontier presets' per-vector quantizers and
+FP8 cache as the reference at similar stored bits.
 
-    .venv/bin/python scripts/eviction.py [--no-run] [--force] [OVERRIDE ...]
+    .venv/bin/python scripts/eviction.py [--no-run] [--force] [--only "OVERRIDE ..."]... [OVERRIDE ...]
 
-Runs the cells of configs/experiment/eviction{,_inner}.yaml and frontier_{kivi,turboquant}.yaml that have no
-finished run (in one process, each measured cell under the benchmark lock; runs under results/runs), then exports its
-evidence and writes the report section eviction under results/sweeps/eviction/report/ (no page: results/README.md's
-section 3 shows the reproduce study's eviction cells).
+Runs the cells of configs/experiment/eviction*.yaml and frontier_{kivi,turboquant,fp8}.yaml that have no finished run
+(in one process, each measured cell under the benchmark lock; runs under results/runs), then exports its evidence
+(the frontier's cells borrowed at their own commit) and writes the report section eviction under
+results/sweeps/eviction/report/ (no page: results/README.md's section 3 shows the reproduce study's eviction cells).
 """
 
 import sys

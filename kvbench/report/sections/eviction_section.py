@@ -14,15 +14,16 @@ from kvbench.report.tables import pick
 
 EVICTION_COLUMNS = pick("model", "compressor", "compressor_params.keep", "always_kept", "kept_coding",
                         "stream_bits_per_element", "positions_bits_per_element", "bits_per_element", "delta_nll",
-                        "delta_nll_ci_text", "nll_verdict", "eval_documents_n", "vs_random", "rel_mse_k", "rel_mse_v")
+                        "delta_nll_ci_text", "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text",
+                        "eval_documents_n", "vs_random", "rel_mse_k", "rel_mse_v")
 MATCHED_COLUMNS = pick("model", "compressor", "compressor_params.bits", "compressor_params.keep", "kept_coding",
                        "exact_tokens", "stream_bits_per_element", "bits_per_element", "delta_nll", "delta_nll_ci_text",
-                       "nll_verdict", "eval_documents_n")
+                       "nll_verdict", "delta_nll_recall", "delta_nll_recall_ci_text", "eval_documents_n")
 EVICTION_NOTE = ("keep: fraction of tokens every layer and KV head keeps; always kept: tokens kept before any is "
                  "scored; stream bits/elt counts the kept KV and the coded kept positions over every K and V element "
                  "of the full cache; vs random: against random_eviction at the same keep, decided on the two "
-                 "intervals (better/worse when they do not overlap); rel MSE on the kept entries only (0 when they are "
-                 "stored at 16 bits).")
+                 "intervals (better/worse when they do not overlap); recall dNLL: the long-range copy probe's, with its "
+                 "paired 95% interval; rel MSE on the kept entries only (0 when they are stored at 16 bits).")
 MATCHED_NOTE = ("Eviction and quantization at similar stored bits: the cells of the eviction method with the lowest "
                 "mean dNLL on each model (over its cells with 16-bit kept KV) beside the per-vector quantizers of the "
                 "frontier presets, by stream bits per element.")

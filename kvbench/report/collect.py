@@ -200,6 +200,8 @@ def _derive(df: pd.DataFrame) -> pd.DataFrame:
     for t in ("encode_s", "decode_s"):  # a run codes n_sequences windows (or sessions) one after another
         df[f"{t}_per_seq"] = numeric(df, t) / numeric(df, "n_sequences")
     df["eval_s_per_example"] = numeric(df, "eval_s") / numeric(df, "n_examples")  # an eval cell's wall time per example
+    # an eval cell's encoder time per compressed context (KVzip's and the query scorers' model passes among it)
+    df["encode_s_per_context"] = numeric(df, "encode_s") / numeric(df, "contexts_compressed")
     _quality(df)
     pcols = param_columns(df)
     df["params"] = df.apply(lambda r: _params_text(r, pcols), axis=1)

@@ -158,8 +158,8 @@ def _rel(path: Path, page: Path) -> str:
 def _provenance(e: Evidence, page: Path) -> str:
     where = _rel(e.path, page)
     mixed = " (published with `--allow-mixed`)" if e.commit.startswith("mixed") else ""
-    return (f"study `{e.study}`: {e.runs} runs in [`{where}/`]({where}/), measured at commit `{e.commit}`{mixed}"
-            f"{e.borrowed} up to {e.date} on {e.manifest.get('machine', 'an unrecorded machine')}")
+    return (f"study `{e.study}`: {e.runs} runs in [`{where}/`]({where}/), measured at commit `{e.commit}`{mixed} up "
+            f"to {e.date} on {e.manifest.get('machine', 'an unrecorded machine')}{e.borrowed}")
 
 
 def _with_header(text: str, body: str) -> str:

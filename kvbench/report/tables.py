@@ -156,6 +156,7 @@ CATALOGUE = {c.key: c for c in (
     _col("n_examples", "examples", "d"),
     _col("eval_s", "eval s", ".0f"),
     _col("eval_s_per_example", "s/example", ".2f"),
+    _col("encode_s_per_context", "encode s/context", ".2f"),
     _col("contexts_from_store", "from store", "d"),
     _col("load_average_1min", "load (1 min)", ".1f"),
     _col("measure_s", "cell s", ",.0f"),

@@ -18,7 +18,7 @@ from kvbench.report.tables import pick
 
 CELL_COLUMNS = pick("model", "compressor", "compressor_params.keep", "press_ratio", "bits_per_element", "length", "n",
                     "acc_base", "acc_comp", "diff", "diff_ci_text", "p_value", "ruler_vs_ref", "ruler_vs_ref_ci_text",
-                    "ruler_vs_ref_verdict", "eval_s_per_example", "contexts_from_store",
+                    "ruler_vs_ref_verdict", "encode_s_per_context", "eval_s_per_example", "contexts_from_store",
                     formats={"bits_per_element": ".2f"})
 CELL_NOTE = ("RULER pooled over the families clear of chance (the 16-bit accuracy decides which, the same for every "
              "cell of a model), context-only: the context compressed, the question fed on top uncompressed. keep: the "
@@ -27,7 +27,10 @@ CELL_NOTE = ("RULER pooled over the families clear of chance (the 16-bit accurac
              "KV and their coded positions over every element of the full cache; diff: compressed - 16-bit on the "
              "same examples with its 95% bootstrap interval stratified by task; minus FP8's: the cell's per-example "
              "scores minus the FP8 cache's on the same examples, no worse when its interval's lower end is at or "
-             "above {margin:+g}, worse when its upper end is below it.")
+             "above {margin:+g}, worse when its upper end is below it; encode s/context: the encoder's wall time per "
+             "compressed context, the model passes a method scores with (KVzip's reconstruction, the queries of "
+             "SnapKV and ExpectedAttention) included; s/example: the cell's wall time per example, prefill and "
+             "generation included.")
 
 
 def press_ratio(d: pd.DataFrame) -> pd.Series:

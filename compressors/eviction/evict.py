@@ -127,6 +127,13 @@ def _unembed(sec: Mapping[str, bytes], prefix: str = "inner") -> Bitstream:
     return Bitstream.from_bytes(frame[:-4] + b"".join(payloads) + frame[-4:])
 
 
+def _kept_rows(kept: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(layer, head, count)`` of every row of the ``(L, H, T)`` kept mask that keeps any entry, in the order the
+    mask lists its entries (so their inner streams concatenate as ``kv[kept]`` does)."""
+    counts = kept.sum(-1).tolist()  # (L, H)
+    return [(a, b, n) for a, row in enumerate(counts) for b, n in enumerate(row) if n]
+
+
 def _row(layer: int, head: int) -> str:
     """The outer sections' prefix of one (layer, KV head)'s inner stream, where the rows keep unequal counts."""
     return f"inner/{layer}.{head}"
@@ -288,8 +295,10 @@ class Eviction(Compressor):
 
     # ---- coding
 
-    def _inner_ctx(self, ctx: Context, k: int) -> Context:
-        return Context(ctx.n_layers, ctx.n_heads, k, ctx.head_dim, ctx.dtype, config=ctx.config, start=ctx.start)
+    def _inner_ctx(self, ctx: Context, k: int, one_row: bool = False) -> Context:
+        """The inner coder's context for ``k`` kept tokens: of every (layer, KV head), or of one alone."""
+        layers, heads = (1, 1) if one_row else (ctx.n_layers, ctx.n_heads)
+        return Context(layers, heads, k, ctx.head_dim, ctx.dtype, config=ctx.config, start=ctx.start)
 
     def encode(self, kv: KVSequence, ctx: Context) -> Bitstream:
         L, H, T, D = kv.shape
@@ -306,12 +315,11 @@ class Eviction(Compressor):
             v_kept = kv.v[kept].reshape(L, H, k, D)  # (L, H, K, D)
             sections.update(_embed(self.inner.encode(KVSequence(k_kept, v_kept), self._inner_ctx(ctx, k))))
         else:  # rows of unequal counts: one inner stream per (layer, KV head), L * H of them, not a loop over tokens
-            counts = kept.sum(-1).tolist()  # (L, H)
-            for layer, head in ((a, b) for a in range(L) for b in range(H) if counts[a][b]):
+            for layer, head, n in _kept_rows(kept):
                 row = kept[layer, head]  # (T,)
                 sub = KVSequence(kv.k[layer, head, row][None, None], kv.v[layer, head, row][None, None])  # (1,1,K,D)
-                one = Context(1, 1, counts[layer][head], D, ctx.dtype, config=ctx.config, start=ctx.start)
-                sections.update(_embed(self.inner.encode(sub, one), _row(layer, head)))
+                sections.update(_embed(self.inner.encode(sub, self._inner_ctx(ctx, n, one_row=True)),
+                                       _row(layer, head)))
         return Bitstream.pack(self.name, sections)
 
     def decode(self, bs: Bitstream, ctx: Context) -> KVSequence:
@@ -334,10 +342,8 @@ class Eviction(Compressor):
             out = self.inner.decode(_unembed(sec), self._inner_ctx(ctx, k))
             k_kept, v_kept = out.k.to(ctx.dtype), out.v.to(ctx.dtype)
         else:  # one inner stream per (layer, KV head) that keeps any entry, in the order the mask lists them
-            counts = kept.sum(-1).tolist()  # (L, H)
-            rows = [self.inner.decode(_unembed(sec, _row(a, b)), Context(1, 1, counts[a][b], D, ctx.dtype,
-                                                                       config=ctx.config, start=ctx.start))
-                    for a in range(L) for b in range(H) if counts[a][b]]
+            rows = [self.inner.decode(_unembed(sec, _row(a, b)), self._inner_ctx(ctx, n, one_row=True))
+                    for a, b, n in _kept_rows(kept)]
             k_kept = torch.cat([r.k.reshape(-1, D) for r in rows]).to(ctx.dtype)  # (N, D)
             v_kept = torch.cat([r.v.reshape(-1, D) for r in rows]).to(ctx.dtype)  # (N, D)
         k_full = torch.zeros(L, H, T, D, dtype=ctx.dtype)

@@ -191,7 +191,7 @@ class Evidence:
     def borrowed(self) -> str:
         """What a page says of the runs the study borrows ("" without any)."""
         n = len((self.manifest.get("borrowed") or {}).get("runs") or ())
-        return (f"; its {n} reference run{'s' * (n != 1)} borrowed from another study's evidence at commit "
+        return (f"{n} reference run{'s' * (n != 1)} borrowed from another study's evidence at commit "
                 f"`{self.lent_commit}`") if n else ""
 
     @property

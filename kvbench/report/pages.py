@@ -159,7 +159,8 @@ def _provenance(e: Evidence, page: Path) -> str:
     where = _rel(e.path, page)
     mixed = " (published with `--allow-mixed`)" if e.commit.startswith("mixed") else ""
     return (f"study `{e.study}`: {e.runs} runs in [`{where}/`]({where}/), measured at commit `{e.commit}`{mixed} up "
-            f"to {e.date} on {e.manifest.get('machine', 'an unrecorded machine')}{e.borrowed}")
+            f"to {e.date} on {e.manifest.get('machine', 'an unrecorded machine')}"
+            f"{f'; its {e.borrowed}' if e.borrowed else ''}")
 
 
 def _with_header(text: str, body: str) -> str:
@@ -243,7 +244,7 @@ def _readme(page: Page, source: str, evidence, root: Path, out: Path, report_out
     drawn = set(res["figures"])
     mixed = " Its runs are of several code versions, published with `--allow-mixed`." \
         if e.commit.startswith("mixed") else ""
-    mixed += f" Of them,{e.borrowed[len('; its'):]}." if e.borrowed else ""
+    mixed += f" Of them, {e.borrowed}." if e.borrowed else ""
     note = (f" The runs are committed in `{_rel(e.path, out)}/`: `python -m kvbench report --check` rebuilds this page "
             f"from them and compares.{mixed}")
     prov = Provenance(_rel(e.path, out), e.commit, e.date, str(e.manifest.get("machine", "an unrecorded machine")),

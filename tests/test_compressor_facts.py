@@ -3,6 +3,7 @@ keeps, and the recent window a resident cache takes over; and the README's examp
 
 import torch
 
+from compressors.eviction.adakv import AdaKV
 from compressors.eviction.h2o import H2O
 from compressors.eviction.random_eviction import RandomEviction
 from compressors.eviction.snapkv import SnapKV
@@ -40,6 +41,9 @@ def test_eviction_methods_state_what_they_always_keep_and_how_they_store_the_res
     snap = SnapKV(keep=0.5, inner="turboquant")
     assert snap.label() == "snapkv + turboquant 3-bit" and snap.facts(1024)["kept_coding"] == "turboquant 3-bit"
     assert SnapKV().facts(1024)["kept_coding"] == "16-bit" and SnapKV().family == "eviction"
+    # a budget rule's label names its scorer and, when one codes the kept KV, the inner coder: a curve of its own
+    assert AdaKV(scorer="knorm", keep=0.5).label() == "adakv (knorm)"
+    assert AdaKV(scorer="knorm", keep=0.5, inner="kivi").label() == "adakv (knorm) + kivi 2-bit"
     assert RandomEviction().facts(1024)["random_baseline"] and not SnapKV().facts(1024)["random_baseline"]
 
 

@@ -52,7 +52,7 @@ class BudgetRule(Eviction):
     def protected(self, n_tokens: int, n_keep: int) -> tuple[int, int]:
         return self.scorer.protected(n_tokens, n_keep)
 
-    def label(self) -> str:
+    def method(self) -> str:
         return f"{self.name} ({self.scorer.name})"
 
     def encode_flops_per_token(self, config: Any, n_tokens: int) -> float:

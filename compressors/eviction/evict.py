@@ -241,7 +241,11 @@ class Eviction(Compressor):
         return self.inner.name if bits is None else f"{self.inner.name} {bits:g}-bit"
 
     def label(self) -> str:
-        return self.name if self.inner is None else f"{self.name} + {self.kept_coding()}"
+        return self.method() if self.inner is None else f"{self.method()} + {self.kept_coding()}"
+
+    def method(self) -> str:
+        """What chooses the kept entries (a budget rule names its scorer too), the label without the kept coding."""
+        return self.name
 
     def facts(self, n_tokens: int) -> dict[str, Any]:
         return {**super().facts(n_tokens), "kept_coding": self.kept_coding(), "random_baseline": self.random_baseline}

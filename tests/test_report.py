@@ -375,6 +375,9 @@ def test_every_study_section_writes_its_tables_and_figures_from_the_runs_of_its_
     assert "| smollm2_135m | 1024 | kivi | 2 | 128 recent |" in md["frontier"] and "| aquakv | 2 | 4 sinks |" in md["frontier"]
     assert "| turboquant (range-coded) | 2 | none |" in md["frontier"]
     assert md["eviction"].count("## ") == 2
+    matched = md["eviction"].split("## ")[2]  # beside the quantizers: every cell whose kept KV a coder stores
+    assert "| adakv (expected_attention) + kivi 4-bit | - | 0.25 | kivi 4-bit |" in matched, matched
+    assert "| kvzip + fp8 | - | 0.5 | fp8 |" in matched and "| snapkv + turboquant 3-bit |" in matched
     # every latency run against the DynamicCache of its own run (the IQR columns only where summaries carry them)
     assert "| decode tokens/s vs 16-bit |" in md["decode"] and "| 0.500 |" in md["decode"]
     assert md["ruler"].count("## ") == 3 and md["ruler"].count("pooled (clear of chance)") == 9  # one per cell

@@ -25,8 +25,8 @@ EVICTION_NOTE = ("keep: fraction of tokens every layer and KV head keeps; always
                  "intervals (better/worse when they do not overlap); recall dNLL: the long-range copy probe's, with its "
                  "paired 95% interval; rel MSE on the kept entries only (0 when they are stored at 16 bits).")
 MATCHED_NOTE = ("Eviction and quantization at similar stored bits: the cells of the eviction method with the lowest "
-                "mean dNLL on each model (over its cells with 16-bit kept KV) beside the per-vector quantizers of the "
-                "frontier presets, by stream bits per element.")
+                "mean dNLL on each model (over its cells with 16-bit kept KV) and every cell whose kept KV a coder "
+                "stores, beside the per-vector quantizers of the frontier presets, by stream bits per element.")
 
 
 def always_kept(d: pd.DataFrame) -> pd.Series:
@@ -70,7 +70,7 @@ def eviction(got: Collection) -> tuple[list[Table], Figures]:
     ref = ref.assign(compressor=ref["series"])
     tables = [Table("eviction", ev, EVICTION_COLUMNS, "every eviction cell", f"{trace_notes(ev)} {EVICTION_NOTE}".strip(),
                     csv=True)]
-    both = pd.concat([strongest(ev).assign(exact_tokens="-"), ref], ignore_index=True)
+    both = pd.concat([beside_quantizers(ev).assign(exact_tokens="-"), ref], ignore_index=True)
     if not both.empty:
         both = model_first(both, "stream_bits_per_element", models=list(ev["model"]))
         tables.append(Table("eviction", both, MATCHED_COLUMNS,
@@ -79,6 +79,12 @@ def eviction(got: Collection) -> tuple[list[Table], Figures]:
     figures = {f"eviction_{model}": study_figures.nll_vs_stream_bits(g, "Eviction", reference=ref_names(g))
                for model, g in by_model(every)}
     return tables, figures
+
+
+def beside_quantizers(ev: pd.DataFrame) -> pd.DataFrame:
+    """The eviction cells set beside the quantizers: the strongest method's at 16 bits and every cell whose kept KV
+    a coder stores (eviction and coding on one frontier)."""
+    return ev[ev.index.isin(strongest(ev).index) | (kept_coding(ev) != "16-bit")]
 
 
 def strongest(ev: pd.DataFrame) -> pd.DataFrame:

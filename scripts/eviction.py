@@ -7,8 +7,8 @@ FP8 cache as the reference at similar stored bits.
 
 Runs the cells of configs/experiment/eviction*.yaml and frontier_{kivi,turboquant,fp8}.yaml that have no finished run
 (in one process, each measured cell under the benchmark lock; runs under results/runs), then exports its evidence
-(the frontier's cells borrowed at their own commit) and writes the report section eviction under
-results/sweeps/eviction/report/ (no page: results/README.md's section 3 shows the reproduce study's eviction cells).
+(the frontier's cells borrowed at their own commit), writes the report section eviction under
+results/sweeps/eviction/report/ and rebuilds its page, results/eviction.md.
 """
 
 import sys

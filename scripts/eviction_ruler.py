@@ -4,9 +4,10 @@
 
 Runs the eval cells of configs/experiment/eviction_ruler*.yaml (and the FP8 reference cell it borrows from the
 frontier's RULER study) that have no finished run, then publishes the runs as the study's evidence
-(results/evidence/eviction_ruler/) and writes the section eviction_ruler's tables and figures under
-results/sweeps/eviction_ruler/report/. The contexts' 16-bit prefills are those of the frontier's RULER cells, kept
-under ``KVBENCH_HOME/prefills``; ``--only "model=smollm2_135m"`` runs one model's cells together.
+(results/evidence/eviction_ruler/), writes the section eviction_ruler's tables and figures under
+results/sweeps/eviction_ruler/report/ and rebuilds its page, results/eviction_ruler.md. The contexts' 16-bit
+prefills are those of the frontier's RULER cells, kept under ``KVBENCH_HOME/prefills``; ``--only
+"model=smollm2_135m"`` runs one model's cells together.
 """
 
 import sys

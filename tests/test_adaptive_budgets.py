@@ -120,6 +120,18 @@ def test_adakv_keeps_the_entries_kvpress_adakvpress_keeps_on_the_same_scores(kee
     assert (got[:, 0].sum(-1) == max(window, safeguard(n, alpha))).all()
 
 
+@pytest.mark.parametrize(("keep", "alpha", "window", "seed"), [(0.25, 0.2, 0, 6), (0.5, 0.2, 8, 7), (0.125, 1.0, 4, 8)])
+def test_adakv_with_one_kv_head_per_layer_keeps_what_the_uniform_budget_keeps(keep, alpha, window, seed):
+    """A layer with a single KV head (gemma-3's MQA) has no heads to share its budget between: AdaKV's selection is
+    the scorer's own uniform one, whatever the safeguard (the eviction study's gemma cells rest on this)."""
+    scores = _random_scores(6, 1, 128, seed)
+    scorer = _Given(window=window)
+    scorer.given = scores
+    scorer.keep = keep
+    assert torch.equal(_kept(_rule(AdaKV, scores, window, keep=keep, alpha_safeguard=alpha), scores),
+                       _kept(scorer, scores))
+
+
 @pytest.mark.parametrize(("L", "T", "keep", "window", "beta"), [
     (5, 512, 0.5, 16, 8),  # the pyramid: 480, 368, 256, 144, 32
     (7, 512, 0.75, 16, 8),  # the first layer capped at T - window, the last raised to keep the mean

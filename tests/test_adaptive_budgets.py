@@ -31,10 +31,14 @@ class _Given(Eviction):
         return self.given
 
 
-def _rule(cls, scores, window=0, **fields):
-    scorer = _Given(window=window)
+def _given(scores, window=0, **fields):
+    scorer = _Given(window=window, **fields)
     scorer.given = scores
-    return cls(scorer=scorer, **fields)
+    return scorer
+
+
+def _rule(cls, scores, window=0, **fields):
+    return cls(scorer=_given(scores, window), **fields)
 
 
 def _kept(rule, scores):
@@ -125,11 +129,8 @@ def test_adakv_with_one_kv_head_per_layer_keeps_what_the_uniform_budget_keeps(ke
     """A layer with a single KV head (gemma-3's MQA) has no heads to share its budget between: AdaKV's selection is
     the scorer's own uniform one, whatever the safeguard (the eviction study's gemma cells rest on this)."""
     scores = _random_scores(6, 1, 128, seed)
-    scorer = _Given(window=window)
-    scorer.given = scores
-    scorer.keep = keep
     assert torch.equal(_kept(_rule(AdaKV, scores, window, keep=keep, alpha_safeguard=alpha), scores),
-                       _kept(scorer, scores))
+                       _kept(_given(scores, window, keep=keep), scores))
 
 
 @pytest.mark.parametrize(("L", "T", "keep", "window", "beta"), [
